@@ -1,0 +1,259 @@
+"""
+The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written to be read.
+
+1. The element: E2M1
+   A 4-bit float has one sign bit, two exponent bits and one mantissa bit. Its eight magnitudes are
+
+       code  0    1    2    3    4    5    6    7
+       value 0   0.5   1   1.5   2    3    4    6
+
+   and bit 3 of the code is the sign. Between 1 and 2 the step is 0.5, between 2 and 4 it is 1, between 4 and 6
+   it is 2; below 1 the step stays 0.5 ("subnormals"). Two codes share a byte: the even-index element in the low
+   nibble, the odd one in the high nibble (what torch.float4_e2m1fn_x2 and cuBLAS expect).
+
+2. Why scales, and why two levels
+   Eight magnitudes cannot cover the range of real tensors, so values are stored divided by a scale. A scale per
+   small group keeps every group's largest value near the top of the grid:
+
+       value = code * group_scale * tensor_scale
+
+   - group_scale: one per 16 consecutive elements along the GEMM's inner dimension ("1x16"), or one per 16x16 tile
+     ("16x16", so that a matrix and its transpose share one quantization). It is an 8-bit float, E4M3: 4 bits of
+     exponent, 3 of mantissa, largest value 448, smallest 2^-9. E4M3 is fine-grained (steps of 1/8 to 1/16 of the
+     value) but its range (2^-9 ... 448) is far too narrow for a whole tensor.
+   - tensor_scale: one FP32 per tensor that shifts every group scale into E4M3's range.
+
+3. Round-to-nearest quantization (RTN), given fp4_max (the grid value the group maximum maps to) and fp8_max (the
+   largest group scale allowed):
+
+       tensor_scale = amax(|x|) / (fp8_max * fp4_max)                  (1 if x is all zero)
+       group_scale  = E4M3_round(group_amax / fp4_max / tensor_scale)   (1 if that rounds to 0)
+       code         = E2M1_round(x / (group_scale * tensor_scale))      (saturating at +-6)
+
+   Every rounding here is to nearest, ties to even. Rounding the group scale can shrink it by up to a factor 16/17,
+   which pushes the group maximum a little past fp4_max; with fp4_max = 6 that value saturates at 6.
+
+4. Variants
+   - Stochastic rounding (SR): round each x / (group_scale * tensor_scale) up or down to its two grid neighbours,
+     up with probability equal to the distance from the lower one (in units of the step). Then E[code] = x exactly,
+     as long as nothing clips: SR therefore scales with fp4_max = 6 * 16/17, so that even a group scale shrunk by
+     16/17 keeps the group maximum inside the grid.
+   - Four-over-six (4/6): quantize each group twice, once mapping its maximum to fp4_max (6) and once to
+     fp4_max * 4/6 (4, i.e. a group scale 1.5x larger), and keep the one with the smaller squared error (a tie keeps
+     6). Mapping to 4 trades the top of the grid for finer steps near it (3 and 4 are closer to 4 than 4 and 6 are
+     to 6). The 1.5x larger scale needs headroom in E4M3, so fp8_max defaults to 256 instead of 448. Choosing by
+     error makes the quantizer biased, which is fine for the forward pass only.
+
+5. NaN and Inf: E2M1 has neither. A NaN or Inf anywhere in the input makes the tensor scale NaN, so the whole tensor
+   dequantizes to NaN instead of silently turning into finite numbers.
+
+Reading order below: rounding to a small float grid, codes and packing, the NVFP4Tensor container, the quantizer.
+"""
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude of codes 0..7
+GROUP = 16  # elements per group scale (along the last dimension, or 16x16 tiles)
+BLOCKS = ("1x16", "16x16")
+ROUNDINGS = ("rtn", "sr")
+
+# -----------------------------------------------------------------------------
+# Rounding to a small float grid.
+# A float with m mantissa bits has, in the binade [2^e, 2^(e+1)), the step 2^(e-m). Below its smallest normal
+# exponent e_min the step stays 2^(e_min-m) (subnormals). E2M1: m = 1, e_min = 0, max 6. E4M3: m = 3, e_min = -6,
+# max 448. One function rounds to either.
+
+
+def _round_to_grid(x, mantissa_bits, min_exponent, max_value, noise=None):
+    """Round x (float32) to the grid; nearest-even if noise is None, else stochastically (noise ~ U[0,1))."""
+    magnitude = x.abs().clamp(max=max_value)  # saturate; NaN stays NaN
+    _, frexp_exponent = torch.frexp(magnitude)  # magnitude = mantissa * 2^frexp_exponent, mantissa in [0.5, 1)
+    exponent = (frexp_exponent - 1).clamp(min=min_exponent)
+    step = torch.exp2((exponent - mantissa_bits).float())  # power of two: dividing by it is exact
+    steps = magnitude / step
+    if noise is None:
+        rounded = torch.round(steps)  # ties to even
+    else:
+        lower = torch.floor(steps)
+        rounded = lower + (noise < steps - lower).float()  # up with probability = distance from lower
+    return torch.copysign((rounded * step).clamp(max=max_value), x)
+
+
+def e2m1_round(x, noise=None):
+    """Round float32 values to the E2M1 grid {0, 0.5, ..., 6}, saturating at +-6 (stochastically given noise)."""
+    return _round_to_grid(x, 1, 0, E2M1_MAX, noise)
+
+
+def e4m3_round(x):
+    """Round float32 values to the nearest E4M3 value (ties to even), saturating at +-448; returns float32."""
+    return _round_to_grid(x.float(), 3, -6, E4M3_MAX)
+
+
+def e4m3_stochastic_round(x, generator=None):
+    """Round float32 values up or down to a neighbouring E4M3 value, unbiased inside [-448, 448]."""
+    x = x.float()
+    noise = torch.rand(x.shape, generator=generator, device=x.device)
+    return _round_to_grid(x, 3, -6, E4M3_MAX, noise)
+
+
+# -----------------------------------------------------------------------------
+# Codes and packing
+
+
+def encode_e2m1(values):
+    """E2M1 grid values (float) -> 4-bit codes (uint8): magnitude index in bits 0-2, sign in bit 3."""
+    grid = E2M1_VALUES.to(values.device)
+    magnitude_code = torch.searchsorted(grid, values.abs().nan_to_num(0.0)).clamp(max=7)
+    return (magnitude_code | (torch.signbit(values).to(torch.int64) << 3)).to(torch.uint8)
+
+
+def decode_e2m1(codes):
+    """4-bit codes (uint8) -> float32 values."""
+    grid = E2M1_VALUES.to(codes.device)
+    magnitude = grid[(codes & 7).long()]
+    return torch.where((codes & 8).bool(), -magnitude, magnitude)
+
+
+def pack_codes(codes):
+    """[..., C] 4-bit codes -> [..., C/2] bytes, the even element in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_codes(packed):
+    """[..., C/2] bytes -> [..., C] 4-bit codes."""
+    return torch.stack([packed & 15, packed >> 4], dim=-1).flatten(-2)
+
+
+# -----------------------------------------------------------------------------
+# The container
+
+
+@dataclass
+class NVFP4Tensor:
+    """A tensor quantized to NVFP4 along its last dimension (1x16) or in 16x16 tiles over its last two.
+
+    codes:        uint8 [..., R, C/2], two 4-bit codes per byte
+    group_scale:  float8_e4m3fn [..., R, C/16] (1x16) or [..., R/16, C/16] (16x16)
+    tensor_scale: float32, 0-dim
+    shape:        the logical shape [..., R, C]
+    block:        "1x16" or "16x16"
+    scaled_codes: optional code * group_scale in BF16 (exact: at most 6 significant bits), written by the fused
+                  GPU kernels for the BF16 GEMM that stands in for NVFP4 on GPUs without FP4 tensor cores; the
+                  FP32 tensor scale is applied to the GEMM instead (see kernels.nvfp4_mm).
+    """
+
+    codes: torch.Tensor
+    group_scale: torch.Tensor
+    tensor_scale: torch.Tensor
+    shape: torch.Size
+    block: str = "1x16"
+    scaled_codes: Optional[torch.Tensor] = None
+
+    def element_scales(self):
+        """group_scale expanded to one float32 per element: [..., R, C]."""
+        scales = self.group_scale.float()
+        if self.block == "16x16":
+            scales = scales.repeat_interleave(GROUP, dim=-2)
+        return scales.repeat_interleave(GROUP, dim=-1)
+
+    def dequantize(self, dtype=torch.float32, tensor_scale=True):
+        """code * group_scale * tensor_scale (the last factor left out if tensor_scale=False)."""
+        values = decode_e2m1(unpack_codes(self.codes)) * self.element_scales()
+        if tensor_scale:
+            values = values * self.tensor_scale
+        return values.to(dtype)
+
+    def packed(self):
+        """The same tensor without the BF16 cache: what is worth keeping in memory (about 0.56 bytes/element)."""
+        return NVFP4Tensor(self.codes, self.group_scale, self.tensor_scale, self.shape, self.block)
+
+
+# -----------------------------------------------------------------------------
+# The quantizer
+
+
+def check_quantizable(x, multiple, dims=1, what="quantize_nvfp4"):
+    """Raise a ValueError that says what is required unless x is a float tensor whose last `dims` sizes are
+    multiples of `multiple`."""
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{what} needs a floating-point tensor (float32, bfloat16 or float16), got {kind}")
+    if x.dim() < dims:
+        raise ValueError(f"{what} needs a tensor with at least {dims} dimension(s), got shape {tuple(x.shape)}")
+    for size in x.shape[x.dim() - dims:]:
+        if size % multiple:
+            which = "last dimension" if dims == 1 else f"last {dims} dimensions"
+            raise ValueError(f"{what} needs the {which} to be multiples of {multiple}, got shape {tuple(x.shape)}")
+
+
+def tensor_scale_for(largest, limit):
+    """largest / limit as the FP32 tensor scale: 1 if largest is 0, NaN if it is NaN or Inf."""
+    scale = largest.float() / limit
+    scale = torch.where(largest == 0, torch.ones_like(scale), scale)
+    return torch.where(torch.isfinite(largest), scale, torch.full_like(scale, float("nan")))
+
+
+def to_groups(x, block):
+    """[..., R, C] -> [..., R, C/16, 16] (1x16) or [..., R/16, C/16, 256] (16x16 tiles)."""
+    if block == "1x16":
+        return x.unflatten(-1, (-1, GROUP))
+    tiles = x.unflatten(-1, (-1, GROUP)).unflatten(-3, (-1, GROUP))  # [..., R/16, 16, C/16, 16]
+    return tiles.transpose(-3, -2).flatten(-2)
+
+
+def from_groups(groups, block):
+    """Inverse of to_groups."""
+    if block == "1x16":
+        return groups.flatten(-2)
+    tiles = groups.unflatten(-1, (GROUP, GROUP)).transpose(-3, -2)  # [..., R/16, 16, C/16, 16]
+    return tiles.flatten(-2).flatten(-3, -2)
+
+
+def _quantize_groups(groups, group_amax, fp4_max, tensor_scale, noise):
+    """One RTN/SR pass: returns (E2M1 values, E4M3 group scales as float32, squared error per group in FP64)."""
+    group_scale = e4m3_round(group_amax / fp4_max / tensor_scale)
+    group_scale = torch.where(group_scale == 0, torch.ones_like(group_scale), group_scale)
+    values = e2m1_round(groups / (group_scale * tensor_scale), noise)
+    # FP64 so the 4/6 choice does not depend on summation order (the GPU kernel must make the same choice).
+    error = (groups.double() - values.double() * group_scale.double() * tensor_scale.double()).square().sum(-1)
+    return values, group_scale, error
+
+
+def quantize_nvfp4(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2M1_MAX, fp8_max=None,
+                   generator=None):
+    """Quantize x to NVFP4 along its last dimension (1x16) or in 16x16 tiles over its last two dimensions.
+
+    rounding: "rtn" (nearest) or "sr" (stochastic, unbiased if nothing clips; use fp4_max = 6*16/17 for that).
+    four_over_six: per group, keep the better of mapping the maximum to fp4_max or to fp4_max * 4/6.
+    fp8_max: the largest group scale; 448, or 256 with four_over_six (headroom for its 1.5x larger scales).
+    """
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+    if fp8_max is None:
+        fp8_max = 256.0 if four_over_six else E4M3_MAX
+    if fp8_max * (1.5 if four_over_six else 1.0) > E4M3_MAX:
+        raise ValueError(f"fp8_max={fp8_max} leaves no room in E4M3 (max 448) for the scales it implies")
+    check_quantizable(x, GROUP, dims=1 if block == "1x16" else 2)
+
+    groups = to_groups(x.float(), block)  # [..., groups, 16 or 256]
+    group_amax = groups.abs().amax(-1, keepdim=True)
+    tensor_scale = tensor_scale_for(groups.abs().amax(), fp8_max * fp4_max)
+    noise = torch.rand(groups.shape, generator=generator, device=x.device) if rounding == "sr" else None
+
+    values, group_scale, error = _quantize_groups(groups, group_amax, fp4_max, tensor_scale, noise)
+    if four_over_six:
+        noise4 = torch.rand(groups.shape, generator=generator, device=x.device) if rounding == "sr" else None
+        values4, group_scale4, error4 = _quantize_groups(groups, group_amax, fp4_max * 4 / 6, tensor_scale, noise4)
+        pick4 = (error4 < error).unsqueeze(-1)  # a tie keeps the 6-branch
+        values = torch.where(pick4, values4, values)
+        group_scale = torch.where(pick4, group_scale4, group_scale)
+
+    codes = pack_codes(encode_e2m1(from_groups(values, block)))
+    return NVFP4Tensor(codes, group_scale.squeeze(-1).to(torch.float8_e4m3fn), tensor_scale, x.shape, block)

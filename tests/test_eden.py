@@ -1,0 +1,114 @@
+"""MS-EDEN (eden.py): the rotation, the correction, the stochastic scales, and edge cases."""
+
+import pytest
+import torch
+
+from eden import (EDEN_FP4_MAX, EDEN_FP8_MAX, eden_groups, hadamard_matrix, inverse_rht, quantize_ms_eden,
+                  random_signs, rht)
+from quantize import E2M1_VALUES, decode_e2m1, e4m3_round, unpack_codes
+
+
+def test_hadamard_is_orthogonal_and_symmetric():
+    h = hadamard_matrix(128).double()
+    assert torch.allclose(h @ h.t(), torch.eye(128, dtype=torch.float64), atol=1e-6)
+    assert torch.equal(h, h.t()) and (h.abs() == h[0, 0].abs()).all()
+    with pytest.raises(ValueError, match="power of two"):
+        hadamard_matrix(96)
+
+
+def test_rotation_cancels_in_a_gemm_and_depends_on_the_signs():
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(64, 512, generator=g), torch.randn(32, 512, generator=g)
+    exact = a.double() @ b.double().t()
+    s = random_signs(generator=g)
+    rotated = rht(a, s) @ rht(b, s).t()
+    # float32 round-off: K=512 terms, unit round-off 6e-8, random-walk growth -> ~1e-6 relative; 1e-5 is loose
+    assert ((rotated.double() - exact).norm() / exact.norm()).item() < 1e-5
+    other = random_signs(generator=g)
+    mixed = rht(a, s) @ rht(b, other).t()
+    assert ((mixed.double() - exact).norm() / exact.norm()).item() > 0.5
+    assert torch.allclose(inverse_rht(rht(a, s), s), a, atol=1e-5)
+
+
+def test_codes_and_correction():
+    g = torch.Generator().manual_seed(1)
+    y = torch.randn(16, 256, generator=g)
+    values, corrected = eden_groups(y)
+    groups = y.unflatten(-1, (-1, 16))
+    scale = groups.abs().amax(-1, keepdim=True) / EDEN_FP4_MAX
+    # the group maximum maps to 6.07 and clips to 6; every other code is round-to-nearest of y / scale
+    assert (values.abs().amax(-1) == 6).all()
+    # brute force: no grid value is closer to y / scale than the chosen one
+    grid = torch.cat([-E2M1_VALUES, E2M1_VALUES])
+    distance = ((groups / scale).unsqueeze(-1) - grid).abs()
+    chosen = ((groups / scale) - values).abs()
+    assert (chosen <= distance.amin(-1)).all()
+    # the correction makes <y, S * y_hat> = <y, y> per group
+    overlap = (groups * values * corrected).sum(-1)
+    assert torch.allclose(overlap, groups.square().sum(-1), rtol=1e-5)
+
+
+def test_scales_are_stochastic_neighbours_of_the_corrected_scale():
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(64, 512, generator=g)
+    s = random_signs(generator=g)
+    values, corrected = eden_groups(rht(x, s))
+    tensor_scale = corrected.max() / EDEN_FP8_MAX
+    target = (corrected / tensor_scale).squeeze(-1)
+    draws = torch.stack([quantize_ms_eden(x, s, g).group_scale.float() for _ in range(400)])
+    nearest = e4m3_round(target)
+    assert ((draws == draws.amax(0)) | (draws == draws.amin(0))).all()  # at most two distinct values per group
+    assert ((draws - target).abs() <= (target * 2 ** -3)).all()  # within one E4M3 step of the target
+    # the average scale is the corrected scale: std of one draw <= step/2 (step <= target/8)
+    bound = 5 * target / 8 / 2 / 400 ** 0.5
+    assert ((draws.mean(0) - target).abs() <= bound).all()
+    assert (draws != nearest).any()  # it really is random, not round-to-nearest
+    q = quantize_ms_eden(x, s, g)
+    assert torch.equal(decode_e2m1(unpack_codes(q.codes)), values.flatten(-2))
+    assert torch.equal(q.tensor_scale, tensor_scale)
+
+
+def test_all_zero_input_and_groups():
+    s = random_signs(generator=torch.Generator().manual_seed(3))
+    assert torch.equal(quantize_ms_eden(torch.zeros(8, 256), s).dequantize(), torch.zeros(8, 256))
+    x = torch.randn(8, 256)
+    x[:4, :128] = 0  # whole 128-chunks of zeros stay zero groups after rotation
+    out = quantize_ms_eden(x, s).dequantize()
+    assert out.isfinite().all() and (out[:4, :128] == 0).all()
+
+
+def test_huge_and_tiny_magnitudes_stay_finite():
+    g = torch.Generator().manual_seed(4)
+    exponent = torch.empty(32, 256).uniform_(-99.6, 99.6, generator=g)
+    x = torch.exp2(exponent) * (torch.randint(0, 2, (32, 256), generator=g) * 2 - 1)
+    out = quantize_ms_eden(x, random_signs(generator=g), g).dequantize()
+    assert out.isfinite().all()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_propagate_as_nan(bad):
+    x = torch.randn(8, 256)
+    x[3, 200] = bad
+    assert quantize_ms_eden(x, random_signs()).dequantize().isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float_dtypes(dtype):
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(32, 256, generator=g).to(dtype)
+    s = random_signs(generator=g)
+    out = inverse_rht(quantize_ms_eden(x, s, g).dequantize(), s)
+    error = ((out - x.float()).square().sum() / x.float().square().sum()).item()
+    assert 0.008 < error < 0.011  # the MS-EDEN error level (9.4e-3)
+
+
+@pytest.mark.parametrize("x,signs,message", [
+    (torch.randn(4, 64), random_signs(), "multiples of 128"),
+    (torch.randn(4, 200), random_signs(), "multiples of 128"),
+    (torch.tensor(1.0), random_signs(), "at least 1 dimension"),
+    (torch.ones(4, 128, dtype=torch.int64), random_signs(), "floating-point"),
+    (torch.randn(4, 128), random_signs(64), r"signs must have shape \(128,\)"),
+])
+def test_bad_input_raises_a_clear_error(x, signs, message):
+    with pytest.raises(ValueError, match=message):
+        quantize_ms_eden(x, signs)

@@ -1,0 +1,203 @@
+"""The NVFP4 format (quantize.py): rounding helpers, codes, the quantizer's error levels and edge cases."""
+
+import pytest
+import torch
+
+import bench
+from quantize import (E2M1_VALUES, NVFP4Tensor, decode_e2m1, e2m1_round, e4m3_round, e4m3_stochastic_round,
+                      encode_e2m1, pack_codes, quantize_nvfp4, unpack_codes)
+
+ALL_E4M3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 ... 448, no NaN
+
+
+def log_uniform(n, low, high, generator):
+    exponent = torch.empty(n).uniform_(low, high, generator=generator)
+    sign = torch.randint(0, 2, (n,), generator=generator) * 2 - 1
+    return sign * torch.exp2(exponent)
+
+
+# --- rounding helpers ---------------------------------------------------------------------------------------------
+
+def test_e4m3_round_matches_torch_cast():
+    g = torch.Generator().manual_seed(0)
+    x = log_uniform(200_000, -12, 8.8, g)  # subnormals, normals, up to 448
+    ties = (ALL_E4M3[1:] + ALL_E4M3[:-1]) / 2  # exact midpoints: must go to the even neighbour
+    x = torch.cat([x, ties, -ties, ALL_E4M3, torch.zeros(1)])
+    assert torch.equal(e4m3_round(x), x.to(torch.float8_e4m3fn).float())
+
+
+def test_e4m3_round_saturates_and_keeps_nan():
+    out = e4m3_round(torch.tensor([500.0, -1e30, float("inf"), float("nan")]))
+    assert out[:3].tolist() == [448.0, -448.0, 448.0] and out[3].isnan()
+
+
+def test_e4m3_stochastic_round_is_unbiased_across_the_normal_range():
+    g = torch.Generator().manual_seed(1)
+    values = log_uniform(64, -6, 8.7, g)  # the normal range 2^-6 ... 448
+    samples = 20_000
+    rounded = e4m3_stochastic_round(values.repeat(samples, 1), g)
+    # every sample is one of the two E4M3 neighbours of its value
+    lower = torch.stack([ALL_E4M3[(ALL_E4M3 <= v.abs()).nonzero().max()] for v in values]) * values.sign()
+    upper = torch.stack([ALL_E4M3[(ALL_E4M3 >= v.abs()).nonzero().min()] for v in values]) * values.sign()
+    assert ((rounded == lower) | (rounded == upper)).all()
+    # the mean is the value itself: a Bernoulli(p) between neighbours has std step*sqrt(p(1-p)/n) <= step/(2 sqrt n)
+    bound = 5 * (upper - lower).abs() / (2 * samples ** 0.5)
+    assert ((rounded.mean(0) - values).abs() <= bound).all()
+
+
+def test_e2m1_round_is_nearest_with_ties_to_even():
+    x = torch.tensor([0.24, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 7.0, 100.0, -0.74, -5.0])
+    expected = [0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 6.0, -0.5, -4.0]
+    assert e2m1_round(x).tolist() == expected
+
+
+# --- codes ----------------------------------------------------------------------------------------------------------
+
+def test_pack_unpack_is_identity_for_all_codes():
+    codes = torch.arange(16, dtype=torch.uint8)
+    pairs = torch.cartesian_prod(codes, codes).flatten()  # every code next to every code, both nibbles
+    assert torch.equal(unpack_codes(pack_codes(pairs)), pairs)
+    assert pack_codes(torch.tensor([1, 2], dtype=torch.uint8)).item() == 0x21  # even element in the low nibble
+
+
+def test_encode_decode_round_trip():
+    values = decode_e2m1(torch.arange(16, dtype=torch.uint8))
+    assert values[:8].tolist() == E2M1_VALUES.tolist() and (values[8:] == -E2M1_VALUES).all()
+    assert torch.equal(encode_e2m1(values), torch.arange(16, dtype=torch.uint8))
+
+
+# --- the quantizer --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(bench.QUANTIZERS))
+def test_table1_error_within_3_percent_of_the_paper(name):
+    quantizer, paper = bench.QUANTIZERS[name]
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(1024, 4096, generator=g)
+    ours = bench.relative_error(quantizer(x, g), x) * 1e3
+    assert abs(ours / paper - 1) <= 0.03, f"{name}: {ours:.2f}e-3 vs paper {paper}e-3"
+
+
+@pytest.mark.parametrize("name,unbiased", [("SR (fp4_max 6*16/17)", True), ("MS-EDEN", True),
+                                           ("RTN 1x16", False), ("SR + 4/6", False)])
+def test_concentration_separates_unbiased_from_biased(name, unbiased):
+    # error(mean of B) = variance/B + bias^2. With ~4096 independent groups, B*error(B)/error(1) fluctuates by about
+    # sqrt(2/4096) ~ 2%, so +-10% is a 5-sigma band; a bias with bias^2/variance > 0.1/B leaves it.
+    quantizer, _ = bench.QUANTIZERS[name]
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 1024, generator=g)
+    batch_sizes = [1, 4, 16, 64, 256]
+    errors = bench.concentration(quantizer, x, batch_sizes, g)
+    growth = [errors[b] * b / errors[1] for b in batch_sizes]
+    if unbiased:
+        assert all(0.9 < r < 1.1 for r in growth), growth
+    else:
+        assert growth[-1] > 4, growth
+
+
+def on_grid_tensor(rows, cols, block, generator):
+    """A tensor that NVFP4 represents exactly: codes * E4M3 group scales * 2^k, every group's max code 6 and one
+    group scale 448 (so the tensor scale is exactly 2^k)."""
+    codes = torch.randint(0, 16, (rows, cols), generator=generator, dtype=torch.uint8)
+    codes[:, ::16] = 7 | (codes[:, ::16] & 8)  # +-6 in every 1x16 group (and so in every 16x16 tile)
+    scale_rows = rows if block == "1x16" else rows // 16
+    scales = ALL_E4M3[torch.randint(1, 127, (scale_rows, cols // 16), generator=generator)]
+    scales[0, 0] = 448.0
+    power = 2.0 ** torch.randint(-20, 20, (), generator=generator).item()
+    q = NVFP4Tensor(pack_codes(codes), scales.to(torch.float8_e4m3fn), torch.tensor(power), torch.Size((rows, cols)),
+                    block)
+    return q, q.dequantize()
+
+
+@pytest.mark.parametrize("block", ["1x16", "16x16"])
+def test_rtn_is_lossless_on_the_grid(block):
+    g = torch.Generator().manual_seed(4)
+    q, x = on_grid_tensor(64, 256, block, g)
+    ours = quantize_nvfp4(x, block=block)
+    assert torch.equal(ours.dequantize(), x)
+    assert torch.equal(ours.tensor_scale, q.tensor_scale) and torch.equal(ours.group_scale.float(), q.group_scale.float())
+    # codes agree except the sign of zeros
+    same = (unpack_codes(ours.codes) == unpack_codes(q.codes)) | ((unpack_codes(q.codes) & 7) == 0)
+    assert same.all()
+
+
+def test_16x16_tiles_share_one_scale_and_commute_with_transpose():
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(64, 128, generator=g)
+    q, qt = quantize_nvfp4(x, block="16x16"), quantize_nvfp4(x.t(), block="16x16")
+    assert q.group_scale.shape == (4, 8)
+    assert torch.equal(q.dequantize().t(), qt.dequantize())
+
+
+def test_four_over_six_never_worse_per_group_than_six():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(256, 256, generator=g) * torch.rand(256, 1, generator=g) * 10
+    q46 = quantize_nvfp4(x, four_over_six=True)  # fp8_max 256
+    q6 = quantize_nvfp4(x, fp8_max=256.0)
+    err46 = (q46.dequantize() - x).square().unflatten(-1, (-1, 16)).sum(-1)
+    err6 = (q6.dequantize() - x).square().unflatten(-1, (-1, 16)).sum(-1)
+    assert (err46 <= err6 * (1 + 1e-6)).all() and (err46 < err6).float().mean() > 0.2
+
+
+QUANTIZE_OPTIONS = [dict(), dict(four_over_six=True), dict(block="16x16"), dict(rounding="sr", fp4_max=6 * 16 / 17),
+                    dict(rounding="sr", four_over_six=True)]
+
+
+@pytest.mark.parametrize("options", QUANTIZE_OPTIONS)
+def test_zeros_give_exact_zeros(options):
+    x = torch.zeros(32, 64)
+    assert torch.equal(quantize_nvfp4(x, **options).dequantize(), x)
+    x = torch.randn(32, 64)
+    x[:16, :16] = 0  # an all-zero group (and 16x16 tile) inside a nonzero tensor
+    out = quantize_nvfp4(x, **options).dequantize()
+    assert out.isfinite().all() and (out[:16, :16] == 0).all()
+
+
+@pytest.mark.parametrize("options", QUANTIZE_OPTIONS)
+def test_huge_and_tiny_magnitudes_stay_finite(options):
+    g = torch.Generator().manual_seed(7)
+    x = log_uniform(64 * 64, -99.6, 99.6, g).view(64, 64)  # 1e-30 ... 1e30
+    out = quantize_nvfp4(x, **options).dequantize()
+    assert out.isfinite().all()
+    big = x.abs() > 1e29  # the largest values set the scales and must survive with NVFP4's precision
+    assert ((out[big] - x[big]).abs() <= 0.5 * x[big].abs()).all()
+
+
+@pytest.mark.parametrize("options", QUANTIZE_OPTIONS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nan_and_inf_propagate_as_nan(options, bad):
+    x = torch.randn(32, 64)
+    x[5, 7] = bad
+    out = quantize_nvfp4(x, **options).dequantize()
+    assert out.isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_float_dtypes(dtype):
+    x = torch.randn(16, 64).to(dtype)
+    q = quantize_nvfp4(x)
+    reference = quantize_nvfp4(x.float())
+    assert q.shape == x.shape and torch.equal(q.codes, reference.codes)
+    assert bench.relative_error(q.dequantize(), x.float()) < 0.012
+
+
+def test_batched_input_quantizes_along_the_last_dimension():
+    x = torch.randn(3, 5, 32)
+    q = quantize_nvfp4(x)
+    assert q.codes.shape == (3, 5, 16) and q.group_scale.shape == (3, 5, 2)
+    assert torch.equal(q.dequantize(), quantize_nvfp4(x.reshape(15, 32)).dequantize().view(3, 5, 32))
+
+
+@pytest.mark.parametrize("x,options,message", [
+    (torch.randn(4, 40), {}, "multiples of 16"),
+    (torch.randn(40, 32), dict(block="16x16"), "last 2 dimensions to be multiples of 16"),
+    (torch.randn(32), dict(block="16x16"), "at least 2 dimension"),
+    (torch.tensor(1.0), {}, "at least 1 dimension"),
+    (torch.ones(4, 16, dtype=torch.int32), {}, "floating-point"),
+    (torch.ones(4, 16, dtype=torch.uint8), {}, "floating-point"),
+    (torch.randn(4, 16), dict(rounding="nearest"), "rounding must be"),
+    (torch.randn(4, 16), dict(block="1x32"), "block must be"),
+    (torch.randn(4, 16), dict(four_over_six=True, fp8_max=448.0), "no room in E4M3"),
+])
+def test_bad_input_raises_a_clear_error(x, options, message):
+    with pytest.raises(ValueError, match=message):
+        quantize_nvfp4(x, **options)
