@@ -2,8 +2,13 @@
 Measurements. Every number in the README comes from one of these commands:
 
     python bench.py quant    # quantizer error table (paper Table 1) and unbiasedness, CPU or GPU
+    python bench.py kernels  # each Triton kernel: time and bandwidth next to the copy bandwidth (GPU)
+    python bench.py linear   # forward+backward of one linear layer per recipe, as a ratio to BF16 (GPU)
+    python bench.py train    # tokens/s and peak memory of a training step per recipe (GPU)
 
-Each prints a short table; --json PATH writes the same rows as JSON.
+Each prints a short table; --json PATH writes the same rows as JSON. GPU times are medians of CUDA-event timings
+(triton.testing.do_bench) after warm-up; ratios compare numbers measured in the same run. On GPUs without FP4
+tensor cores (anything before Blackwell) the NVFP4 GEMMs are emulated in BF16, and the tables say so.
 
 Quantizer error is ||x - q(x)||^2 / ||x||^2 on an N(0,1) tensor. Unbiasedness shows as concentration: the mean of B
 independent quantizations of the same tensor has error variance/B + bias^2, so for an unbiased quantizer
@@ -78,6 +83,175 @@ def bench_quant(args):
     return rows
 
 
+# -----------------------------------------------------------------------------
+# GPU measurements
+
+
+def _gpu():
+    if not torch.cuda.is_available():
+        sys.exit("bench.py: this measurement needs a CUDA GPU")
+    import kernels
+    device = torch.device("cuda")
+    native = kernels.native_fp4_available(device)
+    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
+          f"NVFP4 GEMMs {'native (cuBLAS)' if native else 'emulated in BF16 (no FP4 tensor cores)'}")
+    return device
+
+
+def median_ms(fn):
+    import triton.testing
+    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def copy_bandwidth(numel, device):
+    """Device-to-device copy of `numel` BF16 elements: bytes read + written per second."""
+    source = torch.randn(numel, device=device, dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    return 4 * numel / (median_ms(lambda: target.copy_(source)) * 1e-3)
+
+
+def bench_kernels(args):
+    import kernels
+    device = _gpu()
+    rows, cols = args.rows, args.cols
+    numel = rows * cols
+    x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+    signs128, signs16 = random_signs(128, device=device), random_signs(16, device=device)
+    saved = kernels.triton_quantize(x, four_over_six=True, scaled_codes=False)
+    phase1 = kernels.eden_phase1(x, signs128)
+    copy = copy_bandwidth(numel, device)
+    packed, scales, bf16, fp32_scales = 0.5, 1 / 16, 2.0, 4 / 16  # bytes per element
+    # name -> (function, bytes read + written per element)
+    cases = {
+        "amax (read)": (lambda: kernels._amax(x), 2),
+        "RTN 1x16 (amax + quantize)": (lambda: kernels.triton_quantize(x), 2 + 2 + packed + scales + bf16),
+        "RTN 1x16 + 4/6 (amax + quantize)": (lambda: kernels.triton_quantize(x, four_over_six=True),
+                                             2 + 2 + packed + scales + bf16),
+        "RTN 16x16 (amax + quantize)": (lambda: kernels.triton_quantize(x, block="16x16"),
+                                        2 + 2 + packed + scales / 16 + bf16),
+        "SR 1x16 (amax + quantize)": (lambda: kernels.triton_quantize(x, rounding="sr", fp4_max=6 * 16 / 17),
+                                      2 + 2 + packed + scales + bf16),
+        "SR of RHT16(x^T) (amax + quantize)": (
+            lambda: kernels.triton_quantize(x, rounding="sr", fp4_max=6 * 16 / 17, transpose=True, signs=signs16),
+            2 + 2 + packed + scales + bf16),
+        "MS-EDEN phase 1, x and x^T": (lambda: kernels.eden_phase1(x, signs128), 2 + 2 * (packed + fp32_scales)),
+        "MS-EDEN phase 2, one output": (lambda: kernels.eden_phase2(*phase1[0]),
+                                        packed + fp32_scales + scales + bf16),
+        "MS-EDEN x and x^T (all)": (lambda: kernels.triton_ms_eden_pair(x, signs128),
+                                    2 + 2 * (2 * (packed + fp32_scales) + scales + bf16)),
+        "re-quantize NVFP4 -> MS-EDEN^T (all)": (lambda: kernels.triton_requantize_ms_eden(saved, signs128),
+                                                 packed + scales + 2 * (packed + fp32_scales) + scales + bf16),
+        "dequantize to BF16": (lambda: kernels.triton_dequantize(saved, torch.bfloat16), packed + scales + bf16),
+    }
+    print(f"{rows}x{cols} BF16 input; device copy {copy / 1e12:.2f} TB/s (read + write)")
+    print(f"{'kernel':<38}{'ms':>8}{'B/elt':>7}{'TB/s':>7}{'% copy':>8}")
+    rows_out = []
+    for name, (fn, bytes_per_element) in cases.items():
+        ms = median_ms(fn)
+        bandwidth = bytes_per_element * numel / (ms * 1e-3)
+        rows_out.append(dict(kernel=name, ms=ms, bytes_per_element=bytes_per_element, tb_per_s=bandwidth / 1e12,
+                             fraction_of_copy=bandwidth / copy))
+        print(f"{name:<38}{ms:>8.3f}{bytes_per_element:>7.2f}{bandwidth / 1e12:>7.2f}{100 * bandwidth / copy:>7.0f}%")
+    return dict(copy_tb_per_s=copy / 1e12, shape=[rows, cols], kernels=rows_out)
+
+
+LINEAR_SHAPES = {
+    "800M QKV": (2048, 6144), "800M Out": (2048, 2048), "800M UpGate": (2048, 11264), "800M Down": (5632, 2048),
+    "3B QKV": (3072, 9216), "3B Out": (3072, 3072), "3B UpGate": (3072, 16384), "3B Down": (8192, 3072),
+    "d12 fc": (768, 3072), "d12 proj": (3072, 768), "d20 fc": (1280, 5120), "d20 proj": (5120, 1280),
+}
+
+
+def layer_step(layer, x, grad):
+    """One forward + backward through a linear layer, returning the function to time and its peak extra memory."""
+    def step():
+        layer.weight.grad = None
+        x.grad = None
+        layer(x).backward(grad)
+    step()
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return step, torch.cuda.max_memory_allocated() - base
+
+
+def bench_linear(args):
+    from model import Linear
+    device = _gpu()
+    tokens = args.tokens
+    print(f"{'layer':<13}{'in->out':>13}{'bf16 ms':>9}{'quartet2':>10}{'nvidia':>9}   peak extra memory GB "
+          f"(bf16 / quartet2 / nvidia)")
+    rows = []
+    for name, (d_in, d_out) in LINEAR_SHAPES.items():
+        if args.only and not any(word in name for word in args.only):
+            continue
+        x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
+        result = dict(layer=name, d_in=d_in, d_out=d_out, tokens=tokens)
+        reference = torch.nn.Linear(d_in, d_out, bias=False, device=device, dtype=torch.bfloat16)
+        layers = dict(bf16=reference, quartet2=Linear(d_in, d_out, "quartet2").to(device),
+                      nvidia=Linear(d_in, d_out, "nvidia").to(device))
+        for recipe, layer in layers.items():
+            if recipe != "bf16":
+                layer.weight.data.copy_(reference.weight.float())
+            step, memory = layer_step(layer, x, grad)
+            result[f"{recipe}_ms"], result[f"{recipe}_memory_gb"] = median_ms(step), memory / 1e9
+        for recipe in ("quartet2", "nvidia"):
+            result[f"{recipe}_ratio"] = result[f"{recipe}_ms"] / result["bf16_ms"]
+        rows.append(result)
+        print(f"{name:<13}{f'{d_in}->{d_out}':>13}{result['bf16_ms']:>9.3f}{result['quartet2_ratio']:>9.2f}x"
+              f"{result['nvidia_ratio']:>8.2f}x   {result['bf16_memory_gb']:.2f} / {result['quartet2_memory_gb']:.2f}"
+              f" / {result['nvidia_memory_gb']:.2f}")
+        del x, grad, layers, reference
+        torch.cuda.empty_cache()
+    return rows
+
+
+def bench_train(args):
+    import train
+    from model import GPT
+    device = _gpu()
+    rows = []
+    for depth in args.depth:
+        for recipe in args.recipes.split(","):
+            torch.manual_seed(0)
+            model = GPT(depth, recipe, max_seq_len=args.seq_len).to(device)
+            options = argparse.Namespace(lr_embedding=0.2, lr_head=0.004, lr_matrix=0.02)
+            optimizers = train.make_optimizers(model, options)
+            runner = torch.compile(model) if args.compile else model
+            batch = torch.randint(0, 50257, (args.device_batch, args.seq_len + 1), device=device)
+
+            def step():
+                with torch.autocast("cuda", dtype=torch.bfloat16):
+                    loss = runner(batch[:, :-1], batch[:, 1:])
+                loss.backward()
+                for optimizer in optimizers:
+                    optimizer.step()
+                model.zero_grad(set_to_none=True)
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            ms = median_ms(step)
+            tokens = args.device_batch * args.seq_len
+            rows.append(dict(depth=depth, recipe=recipe, ms=ms, tokens_per_s=tokens / (ms * 1e-3),
+                             peak_memory_gb=torch.cuda.max_memory_allocated() / 1e9, compiled=args.compile))
+            del model, optimizers, runner
+            torch.cuda.empty_cache()
+    print(f"one training step: {args.device_batch} x {args.seq_len} tokens, BF16 autocast"
+          f"{', torch.compile' if args.compile else ''}")
+    print(f"{'depth':>5} {'recipe':<10}{'ms':>9}{'tokens/s':>12}{'vs bf16':>9}{'peak GB':>9}")
+    for r in rows:
+        base = next(b for b in rows if b["depth"] == r["depth"] and b["recipe"] == "bf16")["tokens_per_s"] \
+            if any(b["recipe"] == "bf16" for b in rows) else r["tokens_per_s"]
+        r["vs_bf16"] = r["tokens_per_s"] / base
+        print(f"{r['depth']:>5} {r['recipe']:<10}{r['ms']:>9.1f}{r['tokens_per_s']:>12,.0f}{r['vs_bf16']:>8.2f}x"
+              f"{r['peak_memory_gb']:>9.1f}")
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -85,10 +259,23 @@ def main(argv=None):
     quant.add_argument("--size", type=int, default=4096, help="the test tensor is size x size")
     quant.add_argument("--batches", type=int, default=64, help="B for the concentration check")
     quant.add_argument("--seed", type=int, default=0)
-    for command in (quant,):
+    kernel = commands.add_parser("kernels", help="Triton kernels: time and bandwidth (GPU)")
+    kernel.add_argument("--rows", type=int, default=16384)
+    kernel.add_argument("--cols", type=int, default=4096)
+    linear = commands.add_parser("linear", help="one linear layer, forward + backward, per recipe (GPU)")
+    linear.add_argument("--tokens", type=int, default=32768)
+    linear.add_argument("--only", nargs="*", help="layer names containing these words (e.g. 3B d20)")
+    training = commands.add_parser("train", help="a training step per recipe (GPU)")
+    training.add_argument("--depth", type=int, nargs="+", default=[12, 20])
+    training.add_argument("--recipes", default="bf16,quartet2,nvidia")
+    training.add_argument("--seq-len", type=int, default=2048)
+    training.add_argument("--device-batch", type=int, default=16)
+    training.add_argument("--compile", action="store_true")
+    for command in (quant, kernel, linear, training):
         command.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
-    rows = {"quant": bench_quant}[args.command](args)
+    run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train)[args.command]
+    rows = run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(command=args.command, argv=sys.argv[1:], rows=rows), f, indent=1)

@@ -39,8 +39,9 @@ Step by step, for x with a last dimension that is a multiple of 128:
 
        y            = rht(x, s)
        scale_g      = amax(|y_g|) / fp4_max                  (FP32, the group's own unrounded scale)
-       codes_g      = E2M1_round(y_g / scale_g)
-       S_g          = <u_g, u_g> / <u_g, codes_g>, u_g = y_g / scale_g   (= <y,y>/<y,y_hat>; 1 if all zero)
+       u_g          = y_g * (1 / scale_g)                     (|u_g| <= fp4_max)
+       codes_g      = E2M1_round(u_g)
+       S_g          = <u_g, u_g> / <u_g, codes_g>             (= <y_g, y_g> / <y_g, y_hat_g>; 1 if all zero)
        tensor_scale = max_g(scale_g * S_g) / fp8_max          (post hoc range alignment)
        group_scale  = E4M3_stochastic_round(scale_g * S_g / tensor_scale)
 
@@ -115,7 +116,7 @@ def eden_groups(rotated):
     Returns (E2M1 values [..., C/16, 16], corrected FP32 scales [..., C/16, 1])."""
     groups = rotated.float().unflatten(-1, (-1, GROUP))
     scale = groups.abs().amax(-1, keepdim=True) / EDEN_FP4_MAX
-    scaled = groups / torch.where(scale == 0, torch.ones_like(scale), scale)  # |scaled| <= 6.07
+    scaled = groups * (1 / torch.where(scale == 0, torch.ones_like(scale), scale))  # |scaled| <= 6.07
     values = e2m1_round(scaled)
     # S = <y, y> / <y, y_hat>, computed on the scaled values so that squares cannot overflow. Both sums are 0 only
     # for an all-zero group (the group maximum always gets a nonzero code).

@@ -28,9 +28,10 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
 
        tensor_scale = amax(|x|) / (fp8_max * fp4_max)                  (1 if x is all zero)
        group_scale  = E4M3_round(group_amax / fp4_max / tensor_scale)   (1 if that rounds to 0)
-       code         = E2M1_round(x / (group_scale * tensor_scale))      (saturating at +-6)
+       code         = E2M1_round(x * (1 / (group_scale * tensor_scale)))  (saturating at +-6)
 
-   Every rounding here is to nearest, ties to even. Rounding the group scale can shrink it by up to a factor 16/17,
+   Every rounding here is to nearest, ties to even (x is multiplied by the reciprocal of its scale, as GPU kernels
+   do, rather than divided by it: the two can differ in the last bit). Rounding the group scale can shrink it by up to a factor 16/17,
    which pushes the group maximum a little past fp4_max; with fp4_max = 6 that value saturates at 6.
 
 4. Variants
@@ -168,6 +169,17 @@ class NVFP4Tensor:
             values = values * self.tensor_scale
         return values.to(dtype)
 
+    def t(self):
+        """The transpose of a 2-D tensor quantized in 16x16 tiles. A tile's scale serves both orientations, so this
+        is exact: it is why the NVIDIA recipe quantizes W in 16x16 tiles and reuses it for W^T."""
+        if self.block != "16x16" or len(self.shape) != 2:
+            raise ValueError("only a 2-D tensor quantized in 16x16 tiles can be transposed without re-quantizing")
+        rows, cols = self.shape
+        codes = pack_codes(unpack_codes(self.codes).t().contiguous())
+        scaled = None if self.scaled_codes is None else self.scaled_codes.t()
+        return NVFP4Tensor(codes, self.group_scale.t().contiguous(), self.tensor_scale, torch.Size((cols, rows)),
+                           self.block, scaled)
+
     def packed(self):
         """The same tensor without the BF16 cache: what is worth keeping in memory (about 0.56 bytes/element)."""
         return NVFP4Tensor(self.codes, self.group_scale, self.tensor_scale, self.shape, self.block)
@@ -218,7 +230,7 @@ def _quantize_groups(groups, group_amax, fp4_max, tensor_scale, noise):
     """One RTN/SR pass: returns (E2M1 values, E4M3 group scales as float32, squared error per group in FP64)."""
     group_scale = e4m3_round(group_amax / fp4_max / tensor_scale)
     group_scale = torch.where(group_scale == 0, torch.ones_like(group_scale), group_scale)
-    values = e2m1_round(groups / (group_scale * tensor_scale), noise)
+    values = e2m1_round(groups * (1 / (group_scale * tensor_scale)), noise)  # times the reciprocal, as kernels do
     # FP64 so the 4/6 choice does not depend on summation order (the GPU kernel must make the same choice).
     error = (groups.double() - values.double() * group_scale.double() * tensor_scale.double()).square().sum(-1)
     return values, group_scale, error

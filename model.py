@@ -1,0 +1,249 @@
+"""
+The Nanochat GPT, and the three linear-layer recipes it can train with.
+
+A linear layer Y = X W^T (X [T, in] for T tokens, W [out, in]) costs three GEMMs: the forward Y = X W^T and, given
+E = dL/dY [T, out], the backward dX = E W and dW = E^T X. A recipe says in which precision each operand of each GEMM
+is, always quantized along the GEMM's inner dimension:
+
+    recipe     Y = X W^T                      dX = E W                              dW = E^T X
+    bf16       X, W in BF16                   E, W in BF16                          E^T, X^T in BF16
+    quartet2   X: RTN 1x16 + 4/6 along in     E: MS-EDEN along out                  E^T: MS-EDEN along T
+               W: RTN 1x16 + 4/6 along in     W^T: the saved NVFP4 W, re-quantized  X^T: the saved NVFP4 X,
+                                                   with MS-EDEN along out                re-quantized, along T
+    nvidia     X: RTN 1x16 along in           E: SR 1x16 along out (fp4_max 6*16/17)  E^T: SR of RHT16(E^T) along T
+               W: RTN 16x16                   W^T: the same 16x16 W (no requant.)    X^T: RTN of RHT16(X^T) along T
+
+Quartet II keeps the forward as accurate as possible (RTN with four-over-six is biased but has the lowest error) and
+makes the backward unbiased with MS-EDEN, so that the gradient is an unbiased estimate of the gradient of the
+*quantized* forward. That is why it re-quantizes the forward's quantized X and W (not the BF16 originals): only their
+packed NVFP4 forms are saved for the backward (0.56 bytes per element instead of 2). All four backward operands of
+one call share one set of 128 random signs, so the rotations cancel inside each GEMM (eden.py); every call draws
+fresh signs. The NVIDIA recipe (arXiv 2509.25149, as the Quartet II paper compares it) saves the BF16 X and rotates
+only the dW GEMM, with a 16-wide Hadamard.
+
+All quantized operations go through kernels.py, the one dispatch point: Triton kernels on CUDA, the pure-PyTorch
+references of quantize.py and eden.py elsewhere. On GPUs without FP4 tensor cores the GEMMs run in BF16 on the
+dequantized values (emulated NVFP4: same numbers, BF16 speed).
+
+The model is nanochat's original (October 2025) GPT, everything set by the depth:
+    width = 64 * depth, attention heads of 128 dimensions (width / 128 heads), MLP hidden = 4 * width
+    token embedding -> RMSNorm -> depth x [x + Attention(RMSNorm(x)), x + MLP(RMSNorm(x))] -> RMSNorm -> lm_head
+    Attention: separate q, k, v projections, rotary embeddings (base 10000, the two halves of each head rotated as
+    pairs), then RMSNorm of q and k (QK-norm), causal softmax attention, output projection.
+    MLP: relu(x W_fc^T)^2 W_proj^T. RMSNorm has no parameters; no linear layer has a bias.
+    The embedding and lm_head are untied; the output projections (and lm_head) start at zero; the logits are
+    soft-capped as 15 * tanh(logits / 15) in FP32. Vocabulary: GPT-2's 50257 tokens, padded to 50304 rows.
+The recipe applies to the six linear layers of every block (q, k, v, attention output, MLP in, MLP out); the
+embedding and lm_head stay BF16, as in the paper.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import kernels as ops
+from eden import HADAMARD, random_signs
+
+GPT2_VOCAB = 50257
+HEAD_DIM = 128
+SOFTCAP = 15.0
+SR_FP4_MAX = 6 * 16 / 17  # stochastic rounding that never clips (quantize.py)
+NVIDIA_HADAMARD = 16
+
+# -----------------------------------------------------------------------------
+# The recipes: one autograd Function each, spelling out the three GEMMs
+
+
+class BF16Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):  # x [T, in], w [out, in]
+        ctx.save_for_backward(x, w)
+        return x @ w.t()  # [T, out]
+
+    @staticmethod
+    def backward(ctx, e):  # e [T, out]
+        x, w = ctx.saved_tensors
+        return e @ w, e.t() @ x  # dX [T, in], dW [out, in]
+
+
+class Quartet2Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        xq = ops.quantize(x, four_over_six=True)  # [T, in] along in
+        wq = ops.quantize(w, four_over_six=True)  # [out, in] along in
+        ctx.xq, ctx.wq = xq.packed(), wq.packed()  # only the packed NVFP4 forms are kept for the backward
+        return ops.nvfp4_mm(xq, wq, x.dtype)
+
+    @staticmethod
+    def backward(ctx, e):
+        signs = random_signs(HADAMARD, device=e.device)  # fresh per call, shared by the four operands
+        e_q, et_q = ops.ms_eden_pair(e, signs)  # E [T, out] along out, E^T [out, T] along T: one read of E
+        wt_q = ops.requantize_ms_eden(ctx.wq, signs)  # W^T [in, out] along out
+        xt_q = ops.requantize_ms_eden(ctx.xq, signs)  # X^T [in, T] along T
+        dx = ops.nvfp4_mm(e_q, wt_q, e.dtype)  # [T, in]
+        dw = ops.nvfp4_mm(et_q, xt_q, e.dtype)  # [out, in]
+        return dx, dw
+
+
+class NvidiaLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, w):
+        xq = ops.quantize(x)  # [T, in] RTN 1x16 along in
+        wq = ops.quantize(w, block="16x16")  # [out, in] RTN 16x16: W and W^T share one quantization
+        ctx.save_for_backward(x)  # this recipe saves X in BF16
+        ctx.wq = wq
+        return ops.nvfp4_mm(xq, wq, x.dtype)
+
+    @staticmethod
+    def backward(ctx, e):
+        (x,) = ctx.saved_tensors
+        e_q = ops.quantize(e, rounding="sr", fp4_max=SR_FP4_MAX)  # [T, out] along out
+        dx = ops.nvfp4_mm(e_q, ctx.wq.t(), e.dtype)  # [T, in]
+        signs = random_signs(NVIDIA_HADAMARD, device=e.device)
+        et_q = ops.quantize(e, rounding="sr", fp4_max=SR_FP4_MAX, transpose=True, signs=signs)  # [out, T]
+        xt_q = ops.quantize(x, transpose=True, signs=signs)  # [in, T]
+        dw = ops.nvfp4_mm(et_q, xt_q, e.dtype)  # [out, in]
+        return dx, dw
+
+
+RECIPES = {"bf16": BF16Linear, "quartet2": Quartet2Linear, "nvidia": NvidiaLinear}
+
+
+@torch.compiler.disable  # NVFP4Tensor objects and Triton launches stay outside torch.compile's graphs
+def _quantized_linear(function, x, w):
+    return function.apply(x, w)
+
+
+class Linear(nn.Module):
+    """A bias-free linear layer whose three GEMMs follow a recipe."""
+
+    def __init__(self, in_features, out_features, recipe="bf16"):
+        super().__init__()
+        if recipe not in RECIPES:
+            raise ValueError(f"recipe must be one of {list(RECIPES)}, got {recipe!r}")
+        if recipe != "bf16" and (in_features % HADAMARD or out_features % HADAMARD):
+            raise ValueError(f"the {recipe} recipe needs layer sizes that are multiples of {HADAMARD}, "
+                             f"got {in_features} -> {out_features}")
+        self.recipe = recipe
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+
+    def forward(self, x):
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        tokens = x.reshape(-1, x.shape[-1]).to(dtype)  # [T, in]
+        w = self.weight.to(dtype)
+        if self.recipe == "bf16":
+            y = BF16Linear.apply(tokens, w)
+        else:
+            if tokens.shape[0] % HADAMARD:
+                raise ValueError(f"the {self.recipe} recipe needs the tokens per micro-batch (batch x sequence) "
+                                 f"to be a multiple of {HADAMARD}, got {tokens.shape[0]}")
+            y = _quantized_linear(RECIPES[self.recipe], tokens, w)
+        return y.view(*x.shape[:-1], -1)
+
+
+# -----------------------------------------------------------------------------
+# The GPT
+
+
+def norm(x):
+    return F.rms_norm(x, (x.size(-1),))
+
+
+def rotary_tables(seq_len, head_dim=HEAD_DIM, base=10000.0, device=None):
+    """cos, sin [1, seq_len, 1, head_dim/2]: position t rotates pair (i, i + head_dim/2) by t / base^(2i/head_dim)."""
+    inverse_frequency = base ** -(torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inverse_frequency)
+    return angles.cos()[None, :, None, :], angles.sin()[None, :, None, :]
+
+
+def apply_rotary(x, cos, sin):  # x [B, T, heads, head_dim]
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat([x1 * cos + x2 * sin, x2 * cos - x1 * sin], dim=-1).to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, width, recipe):
+        super().__init__()
+        self.heads = width // HEAD_DIM
+        self.c_q, self.c_k, self.c_v = (Linear(width, width, recipe) for _ in range(3))
+        self.c_proj = Linear(width, width, recipe)
+
+    def forward(self, x, cos, sin):  # x [B, T, width]
+        batch, seq, width = x.shape
+        q, k, v = (layer(x).view(batch, seq, self.heads, HEAD_DIM) for layer in (self.c_q, self.c_k, self.c_v))
+        q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        return self.c_proj(y.transpose(1, 2).reshape(batch, seq, width))
+
+
+class MLP(nn.Module):
+    def __init__(self, width, recipe):
+        super().__init__()
+        self.c_fc = Linear(width, 4 * width, recipe)
+        self.c_proj = Linear(4 * width, width, recipe)
+
+    def forward(self, x):
+        return self.c_proj(F.relu(self.c_fc(x)).square())
+
+
+class Block(nn.Module):
+    def __init__(self, width, recipe):
+        super().__init__()
+        self.attn = Attention(width, recipe)
+        self.mlp = MLP(width, recipe)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(norm(x), cos, sin)
+        return x + self.mlp(norm(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, depth, recipe="bf16", max_seq_len=2048, vocab_size=GPT2_VOCAB):
+        super().__init__()
+        width = 64 * depth
+        if depth < 1 or width % HEAD_DIM:
+            raise ValueError(f"depth must be a positive even number (width = 64 * depth must be a multiple of "
+                             f"{HEAD_DIM}, the head size), got depth {depth}")
+        self.depth, self.width, self.recipe, self.vocab_size = depth, width, recipe, vocab_size
+        padded_vocab = -(-vocab_size // 128) * 128
+        self.embedding = nn.Embedding(padded_vocab, width)
+        self.blocks = nn.ModuleList(Block(width, recipe) for _ in range(depth))
+        self.lm_head = nn.Linear(width, padded_vocab, bias=False)
+        cos, sin = rotary_tables(max_seq_len)
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self):
+        for module in self.modules():
+            if isinstance(module, (Linear, nn.Linear)):  # std 1/sqrt(in) * min(1, sqrt(out/in)), arXiv 2310.17813
+                out_features, in_features = module.weight.shape
+                std = min(1.0, math.sqrt(out_features / in_features)) / math.sqrt(in_features)
+                nn.init.normal_(module.weight, std=std)
+        nn.init.normal_(self.embedding.weight, std=1.0)
+        nn.init.zeros_(self.lm_head.weight)
+        for block in self.blocks:
+            nn.init.zeros_(block.attn.c_proj.weight)
+            nn.init.zeros_(block.mlp.c_proj.weight)
+
+    def matrix_parameters(self):
+        """The 2-D weights of the blocks (for Muon)."""
+        return [p for p in self.blocks.parameters()]
+
+    def forward(self, idx, targets=None, reduction="mean"):  # idx, targets [B, T]
+        seq = idx.shape[1]
+        if seq > self.cos.shape[1]:
+            raise ValueError(f"sequence length {seq} exceeds the model's maximum {self.cos.shape[1]}")
+        cos, sin = self.cos[:, :seq], self.sin[:, :seq]
+        x = norm(self.embedding(idx))
+        for block in self.blocks:
+            x = block(x, cos, sin)
+        logits = self.lm_head(norm(x))[..., :self.vocab_size].float()
+        logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)

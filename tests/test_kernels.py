@@ -1,0 +1,328 @@
+"""kernels.py against the references in quantize.py and eden.py.
+
+Without a GPU the kernels run in Triton's interpreter at small shapes (tile boundaries, awkward multiples of 128);
+with one they run on it, at these shapes and at large ones. References always run on the CPU, whose float
+arithmetic is plain IEEE."""
+
+import pytest
+import torch
+
+import bench
+import kernels
+from eden import EDEN_FP8_MAX, eden_groups, inverse_rht, quantize_ms_eden, random_signs, rht
+from quantize import (E2M1_VALUES, NVFP4Tensor, decode_e2m1, e4m3_round, encode_e2m1, quantize_nvfp4,
+                      unpack_codes)
+
+GPU = torch.cuda.is_available()
+DEVICE = "cuda" if GPU else "cpu"  # on the CPU the kernels run interpreted (tests/conftest.py)
+gpu_only = pytest.mark.skipif(not GPU, reason="needs CUDA")
+ALL_E4M3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+QUANTIZE_SHAPES = [(64, 128), (192, 384), (320, 640)]  # rows: multiples of 64, columns: of 128
+EDEN_SHAPES = [(128, 128), (128, 384), (384, 256)]
+
+
+def varied(rows, cols, dtype=torch.bfloat16, seed=0):
+    """Gaussian rows with magnitudes spread over 2^-12 ... 2^12, one all-zero 16x16 tile, on the kernel device."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.exp2(torch.randint(-12, 13, (rows, 1), generator=g).float())
+    x[16:32, 16:32] = 0
+    return x.to(dtype).to(DEVICE)
+
+
+def cpu(q):
+    return NVFP4Tensor(q.codes.cpu(), q.group_scale.cpu(), q.tensor_scale.cpu(), q.shape, q.block,
+                       None if q.scaled_codes is None else q.scaled_codes.cpu())
+
+
+def assert_same_quantization(ours, reference):
+    assert torch.equal(ours.codes, reference.codes)
+    assert torch.equal(ours.group_scale.view(torch.uint8), reference.group_scale.view(torch.uint8))
+    assert torch.equal(ours.tensor_scale, reference.tensor_scale)
+    assert torch.equal(ours.scaled_codes.float(), reference.dequantize(tensor_scale=False))
+
+
+# --- round to nearest: bit-identical ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape", QUANTIZE_SHAPES)
+@pytest.mark.parametrize("options", [dict(), dict(four_over_six=True), dict(block="16x16"),
+                                     dict(block="16x16", four_over_six=True)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_rtn_kernel_is_bit_identical(shape, options, dtype):
+    x = varied(*shape, dtype)
+    assert_same_quantization(cpu(kernels.triton_quantize(x, **options)), quantize_nvfp4(x.cpu(), **options))
+
+
+def test_rtn_kernel_from_a_transposed_view():
+    x = varied(256, 192)  # the kernel reads x^T [192, 256] through strides
+    ours = cpu(kernels.triton_quantize(x, transpose=True, four_over_six=True))
+    assert_same_quantization(ours, quantize_nvfp4(x.cpu().t(), four_over_six=True))
+
+
+@gpu_only
+@pytest.mark.parametrize("options", [dict(), dict(four_over_six=True), dict(block="16x16")])
+def test_rtn_kernel_is_bit_identical_at_scale(options):
+    x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16) * 3
+    assert_same_quantization(cpu(kernels.triton_quantize(x, **options)), quantize_nvfp4(x.cpu(), **options))
+
+
+# --- stochastic rounding: deterministic scales, random codes ----------------------------------------------------------
+
+def neighbours(values, step_tolerance=0.0):
+    """The E2M1 magnitudes just below and above |values| (values already scaled into [0, 6])."""
+    grid = E2M1_VALUES
+    magnitude = values.abs().clamp(max=6)
+    lower = grid[(grid[None, :] <= magnitude.flatten()[:, None] * (1 + step_tolerance)).sum(1) - 1]
+    upper = grid[torch.searchsorted(grid, magnitude.flatten() * (1 - step_tolerance))]
+    return lower.view_as(values), upper.view_as(values)
+
+
+def scaled_input(x, q):
+    """x / (group_scale * tensor_scale), per element, with q's (reference or kernel) scales."""
+    return x.float() * (1 / (q.element_scales() * q.tensor_scale))
+
+
+@pytest.mark.parametrize("shape", QUANTIZE_SHAPES[:2])
+def test_sr_kernel_scales_exact_and_codes_on_neighbours(shape):
+    x = varied(*shape)
+    options = dict(rounding="sr", fp4_max=6 * 16 / 17)
+    ours, reference = cpu(kernels.triton_quantize(x, **options)), quantize_nvfp4(x.cpu(), **options)
+    assert torch.equal(ours.group_scale.view(torch.uint8), reference.group_scale.view(torch.uint8))
+    assert torch.equal(ours.tensor_scale, reference.tensor_scale)
+    lower, upper = neighbours(scaled_input(x.cpu(), reference))
+    magnitude = decode_e2m1(unpack_codes(ours.codes)).abs()
+    assert ((magnitude == lower) | (magnitude == upper)).all()
+
+
+def kernel_sr(x, generator):
+    return kernels.triton_quantize(x.to(DEVICE), rounding="sr", fp4_max=6 * 16 / 17).dequantize().cpu()
+
+
+def kernel_ms_eden(x, generator):
+    signs = random_signs(generator=generator)
+    rows, _ = kernels.triton_ms_eden_pair(x.to(DEVICE), signs.to(DEVICE))
+    return inverse_rht(rows.dequantize().cpu(), signs)
+
+
+@pytest.mark.parametrize("quantizer,name", [(kernel_sr, "SR (fp4_max 6*16/17)"), (kernel_ms_eden, "MS-EDEN")])
+def test_random_kernels_match_reference_error_and_are_unbiased(quantizer, name):
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(128, 512, generator=g)
+    reference_quantizer, _ = bench.QUANTIZERS[name]
+    draws = 8
+    ours = torch.tensor([bench.relative_error(quantizer(x, g), x) for _ in range(draws)])
+    theirs = torch.tensor([bench.relative_error(reference_quantizer(x, g), x) for _ in range(draws)])
+    # the error level agrees within the noise of its estimate (4 standard errors of the difference of two means)
+    sigma = ((ours.var() + theirs.var()) / draws).sqrt()
+    assert abs(ours.mean() - theirs.mean()) <= 4 * sigma + 0.01 * theirs.mean() * (1 if GPU else 0)
+    # unbiased: B * error(mean of B) stays flat (see tests/test_quantize.py for the tolerance)
+    errors = bench.concentration(quantizer, x, [1, 4, 16, 32], g)
+    growth = [errors[b] * b / errors[1] for b in errors]
+    assert all(0.85 < r < 1.15 for r in growth), growth
+
+
+@gpu_only
+@pytest.mark.parametrize("quantizer,name", [(kernel_sr, "SR (fp4_max 6*16/17)"), (kernel_ms_eden, "MS-EDEN")])
+def test_random_kernels_error_within_one_percent_at_scale(quantizer, name):
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(4096, 4096, generator=g)
+    reference_quantizer, _ = bench.QUANTIZERS[name]
+    ours, theirs = bench.relative_error(quantizer(x, g), x), bench.relative_error(reference_quantizer(x, g), x)
+    assert abs(ours / theirs - 1) < 0.01
+
+
+def test_rotated_transposed_sr_kernel():  # the NVIDIA recipe's E^T operand: SR of RHT16(E^T)
+    x = varied(256, 128)
+    signs = random_signs(16)
+    options = dict(rounding="sr", fp4_max=6 * 16 / 17)
+    ours = cpu(kernels.triton_quantize(x, transpose=True, signs=signs.to(DEVICE), **options))
+    reference = quantize_nvfp4(rht(x.cpu().t(), signs), **options)
+    # a 16-wide rotation of BF16 values scales by exactly 1/4 and sums 16 exact products in FP32: same numbers
+    assert torch.equal(ours.tensor_scale, reference.tensor_scale)
+    assert torch.equal(ours.group_scale.view(torch.uint8), reference.group_scale.view(torch.uint8))
+    lower, upper = neighbours(scaled_input(rht(x.cpu().t(), signs), reference))
+    magnitude = decode_e2m1(unpack_codes(ours.codes)).abs()
+    assert ((magnitude == lower) | (magnitude == upper)).all()
+    rtn = cpu(kernels.triton_quantize(x, transpose=True, signs=signs.to(DEVICE)))
+    assert_same_quantization(rtn, quantize_nvfp4(rht(x.cpu().t(), signs)))
+
+
+# --- MS-EDEN ---------------------------------------------------------------------------------------------------------
+
+def assert_phase1_matches(kernel_out, rotated):
+    """Phase one against eden_groups on the reference rotation. The kernel rotates with +-1 and scales once; the
+    reference multiplies by +-1/sqrt(128): the rotated values differ in the last bits, which can move a value across
+    a rounding boundary of the grid. Bound: at most 1 code in 2000 differs, by one grid step, and where the codes
+    agree the corrected scales agree to 1e-5."""
+    codes, corrected, amax = (t.cpu() for t in kernel_out)
+    values, reference_corrected = eden_groups(rotated)
+    ours = decode_e2m1(unpack_codes(codes)).view_as(values)
+    differ = ours != values
+    assert differ.float().mean() <= 5e-4
+    step = torch.where(values.abs() >= 4, 2.0, torch.where(values.abs() >= 2, 1.0, 0.5))
+    assert ((ours - values).abs()[differ] <= step[differ]).all()
+    same_group = ~differ.any(-1)
+    relative = (corrected - reference_corrected.squeeze(-1)).abs() / reference_corrected.squeeze(-1).clamp(min=1e-30)
+    assert (relative[same_group] <= 1e-5).all()
+    assert amax.view(torch.float32).item() == corrected.max().item()
+
+
+@pytest.mark.parametrize("shape", EDEN_SHAPES)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_eden_phase1_matches_reference(shape, dtype):
+    x = varied(*shape, dtype, seed=3)
+    signs = random_signs(generator=torch.Generator().manual_seed(3))
+    rows, cols = kernels.eden_phase1(x, signs.to(DEVICE))
+    assert_phase1_matches(rows, rht(x.cpu(), signs))
+    assert_phase1_matches(cols, rht(x.cpu().t(), signs))
+
+
+@pytest.mark.parametrize("shape", EDEN_SHAPES)
+def test_requantize_phase1_matches_reference(shape):
+    q = kernels.triton_quantize(varied(*shape, seed=4), four_over_six=True)
+    signs = random_signs(generator=torch.Generator().manual_seed(4))
+    out = kernels.eden_phase1_requantize(q, signs.to(DEVICE))
+    assert_phase1_matches(out, rht(cpu(q).dequantize().t(), signs))
+
+
+def test_eden_phase2_rounds_scales_stochastically_to_neighbours():
+    x = varied(128, 256, seed=5)
+    codes, corrected, amax = kernels.eden_phase1(x, random_signs(device=DEVICE))[0]
+    tensor_scale = corrected.max().cpu() / EDEN_FP8_MAX
+    target = corrected.cpu() / tensor_scale
+    lower = ALL_E4M3[(ALL_E4M3[None, :] <= target.flatten()[:, None]).sum(1) - 1].view_as(target)
+    upper = ALL_E4M3[torch.searchsorted(ALL_E4M3, target.flatten())].view_as(target)
+    draws = []
+    for _ in range(200):
+        q = cpu(kernels.eden_phase2(codes, corrected, amax))
+        scale = q.group_scale.float()
+        assert ((scale == lower) | (scale == upper)).all() and torch.equal(q.tensor_scale, tensor_scale)
+        assert torch.equal(q.scaled_codes.float(), q.dequantize(tensor_scale=False))
+        draws.append(scale)
+    mean = torch.stack(draws).mean(0)  # unbiased: within 5 standard errors of the target (std <= step / 2)
+    assert ((mean - target).abs() <= 5 * (upper - lower) / 2 / 200 ** 0.5 + 1e-12).all()
+    assert not torch.equal(draws[0], draws[1])  # fresh randomness on every call
+
+
+@gpu_only
+def test_eden_kernels_at_scale():
+    x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
+    signs = random_signs(device="cuda")
+    rows, cols = kernels.eden_phase1(x, signs)
+    assert_phase1_matches(rows, rht(x.cpu(), signs.cpu()))
+    assert_phase1_matches(cols, rht(x.cpu().t(), signs.cpu()))
+    q = kernels.triton_quantize(x, four_over_six=True)
+    assert_phase1_matches(kernels.eden_phase1_requantize(q, signs), rht(cpu(q).dequantize().t(), signs.cpu()))
+
+
+# --- dequantization, edge cases, the GEMM ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", ["1x16", "16x16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_dequantize_kernel(block, dtype):
+    q = kernels.triton_quantize(varied(192, 256, seed=6), block=block)
+    assert torch.equal(kernels.triton_dequantize(q, dtype).cpu(), cpu(q).dequantize(dtype))
+    assert torch.equal(kernels.triton_dequantize(q, dtype, tensor_scale=False).cpu(),
+                       cpu(q).dequantize(dtype, tensor_scale=False))
+
+
+@pytest.mark.parametrize("options", [dict(), dict(four_over_six=True), dict(rounding="sr"), dict(block="16x16")])
+def test_kernels_on_zeros_and_nan(options):
+    zeros = torch.zeros(64, 128, device=DEVICE)
+    assert (kernels.triton_quantize(zeros, **options).dequantize() == 0).all()
+    x = varied(64, 128)
+    x[3, 100] = float("nan")
+    assert kernels.triton_quantize(x, **options).dequantize().isnan().all()
+
+
+def test_eden_kernels_on_zeros_and_nan():
+    signs = random_signs(device=DEVICE)
+    for out in kernels.triton_ms_eden_pair(torch.zeros(128, 256, device=DEVICE), signs):
+        assert (out.dequantize() == 0).all()
+    x = varied(128, 256)
+    x[7, 9] = float("inf")
+    for out in kernels.triton_ms_eden_pair(x, signs):
+        assert out.dequantize().isnan().all()
+
+
+def test_kernels_refuse_bad_shapes():
+    with pytest.raises(ValueError, match="multiples of"):
+        kernels.triton_quantize(torch.zeros(64, 100, device=DEVICE))
+    with pytest.raises(ValueError, match="multiples of 128"):
+        kernels.triton_ms_eden_pair(torch.zeros(128, 192, device=DEVICE), random_signs(device=DEVICE))
+
+
+def test_emulated_gemm_equals_product_of_dequantized_operands():
+    g = torch.Generator().manual_seed(7)
+    a_x, b_x = torch.randn(256, 384, generator=g), torch.randn(128, 384, generator=g)
+    exact = lambda a, b: a.dequantize().double() @ b.dequantize().double().t()
+    # references on the CPU (FP32 operands: exact up to FP32 accumulation)
+    a, b = quantize_nvfp4(a_x, four_over_six=True), quantize_nvfp4(b_x, four_over_six=True)
+    out = kernels.nvfp4_mm(a, b, torch.float32).double()
+    assert ((out - exact(a, b)).norm() / exact(a, b).norm()).item() < 1e-6
+    # kernels with BF16 code * scale operands: one BF16 rounding of the scaled weight and of the output (2^-9 each)
+    a, b = kernels.triton_quantize(a_x.to(DEVICE)), kernels.triton_quantize(b_x.to(DEVICE), block="16x16")
+    for left, right in [(a, b), (a, b.t().t())]:
+        out = kernels.nvfp4_mm(left, right).double().cpu()
+        reference = exact(cpu(left), cpu(right))
+        assert ((out - reference).norm() / reference.norm()).item() < 2 ** -8
+
+
+# --- the native Blackwell GEMM, simulated ----------------------------------------------------------------------------
+
+def cublas_nvfp4_mm(mat_a, mat_b, scale_a, scale_b, **_):
+    """What cuBLAS computes from scaled_mm's arguments, decoded byte by byte from its documentation: mat_a [M, K/2]
+    and mat_b^T [N, K/2] hold two E2M1 codes per byte (element 2k in the low nibble); scale [0] is E4M3, one per 16
+    elements of a row along K, stored in 128x4 tiles (tile (i, j) covers rows 128i.. and scale columns 4j..; tiles in
+    row-major order, 512 bytes each; row r, column c of a tile at byte (r % 32) * 16 + (r // 32) * 4 + c); scale[1]
+    is the FP32 tensor scale."""
+    def decode(packed, scales):
+        bytes_ = packed.view(torch.uint8).long()
+        rows, k = bytes_.shape[0], bytes_.shape[1] * 2
+        codes = torch.zeros(rows, k, dtype=torch.long)
+        codes[:, 0::2], codes[:, 1::2] = bytes_ & 15, bytes_ >> 4
+        blocked, tensor_scale = scales[0].view(torch.uint8), scales[1]
+        col_tiles = -(-(k // 16) // 4)
+        r = torch.arange(rows)[:, None]
+        c = (torch.arange(k) // 16)[None, :]
+        index = ((r // 128) * col_tiles + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+        group_scale = blocked[index].view(torch.float8_e4m3fn).double()
+        return decode_e2m1(codes.to(torch.uint8)).double() * group_scale * tensor_scale.double()
+    return decode(mat_a, scale_a) @ decode(mat_b.t(), scale_b).t()
+
+
+def exact_values(q):
+    """code * group_scale * tensor_scale in FP64, where it is exact."""
+    return decode_e2m1(unpack_codes(q.codes)).double() * q.element_scales().double() * q.tensor_scale.double()
+
+
+@pytest.mark.parametrize("m,n,k", [(128, 128, 128), (192, 64, 96), (320, 48, 160)])
+def test_native_gemm_arguments_decode_to_the_same_product(m, n, k):
+    g = torch.Generator().manual_seed(8)
+    a = quantize_nvfp4(torch.randn(m, k, generator=g) * 5, four_over_six=True)
+    b = quantize_nvfp4(torch.randn(n, k, generator=g))
+    w = quantize_nvfp4(torch.randn(k, n, generator=g), block="16x16").t()  # a 16x16 operand, transposed
+    for right in (b, w):
+        simulated = cublas_nvfp4_mm(**kernels.native_mm_args(a, right))
+        reference = exact_values(a) @ exact_values(right).t()
+        # the same exact products, summed in another order: FP64 round-off only (a misplaced scale gives O(1))
+        assert ((simulated - reference).abs().max() / reference.abs().max()).item() < 1e-13
+
+
+def test_blocked_layout_places_every_scale_once():
+    scales = torch.arange(1, 7 * 200 + 1).remainder(126).add(1).to(torch.uint8).view(200, 7)
+    blocked = kernels.blocked_scales(scales.view(torch.float8_e4m3fn)).view(torch.uint8)
+    assert blocked.numel() == 256 * 8  # padded to 128 rows and 4 columns
+    assert blocked.float().sum() == scales.float().sum()  # padding is zero, nothing lost or repeated
+    assert blocked[(130 % 32) * 16 + (130 % 128 // 32) * 4 + 1 + 2 * 512] == scales[130, 1]  # tile (1, 0)
+
+
+@gpu_only
+def test_native_gemm_on_blackwell_only():
+    device = torch.device("cuda")
+    if not kernels.native_fp4_available(device):
+        pytest.skip("no FP4 tensor cores on this GPU (the arguments are checked by the simulation above)")
+    a = kernels.triton_quantize(torch.randn(256, 512, device=device))
+    b = kernels.triton_quantize(torch.randn(384, 512, device=device))
+    out = kernels.nvfp4_mm(a, b).double().cpu()
+    reference = cpu(a).dequantize().double() @ cpu(b).dequantize().double().t()
+    assert ((out - reference).norm() / reference.norm()).item() < 2 ** -8
