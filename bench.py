@@ -135,7 +135,7 @@ def bench_kernels(args):
             lambda: kernels.triton_quantize(x, rounding="sr", fp4_max=6 * 16 / 17, transpose=True, signs=signs16),
             2 + 2 + packed + scales + bf16),
         "MS-EDEN phase 1, x and x^T": (lambda: kernels.eden_phase1(x, signs128), 2 + 2 * (packed + fp32_scales)),
-        "MS-EDEN phase 2, one output": (lambda: kernels.eden_phase2(*phase1[0]),
+        "MS-EDEN phase 2, one output": (lambda: kernels.eden_phase2(phase1[0]),
                                         packed + fp32_scales + scales + bf16),
         "MS-EDEN x and x^T (all)": (lambda: kernels.triton_ms_eden_pair(x, signs128),
                                     2 + 2 * (2 * (packed + fp32_scales) + scales + bf16)),

@@ -58,7 +58,9 @@ from quantize import E2M1_MAX, E4M3_MAX, GROUP, NVFP4Tensor, check_quantizable, 
 # The Triton interpreter (CPU) gets BF16 dots wrong; there the rotation runs in FP32, exact for BF16 values.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = 128  # columns per program, and rows and columns of an MS-EDEN tile
-QUANTIZE_ROWS = 64  # rows per program of the RTN/SR quantizer
+QUANTIZE_ROWS = 32  # rows per program of the RTN/SR quantizer (and of the rotated amax)
+QUANTIZE_WARPS = 8
+EDEN_WARPS = 16  # warps per 128x128 MS-EDEN tile (fewer registers per thread than 8)
 FINISH_GROUPS = 256  # groups per program of the MS-EDEN second phase
 AMAX_BLOCK = 4096  # elements per program of the plain amax pass
 # constants the kernels read (Triton kernels may only read globals marked constexpr)
@@ -157,13 +159,21 @@ def _unpack(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _rotate(tile, rotation_ptr, SCALE: tl.constexpr, DOT_FP32: tl.constexpr):
-    """tile [N, 128] @ rotation (+-1 entries, signs folded in) * SCALE, accumulated in FP32."""
-    index = tl.arange(0, 128)
-    rotation = tl.load(rotation_ptr + index[:, None] * 128 + index[None, :])
+def _rotate(tile, signs_ptr, N: tl.constexpr, DOT_FP32: tl.constexpr):
+    """tile [rows, 128] times diag(s) * H_pm1 for each N-chunk (N = 16 or 128), accumulated in FP32. The +-1
+    Hadamard matrix is generated in registers: H[i, j] = (-1)^popcount(i & j) (Sylvester), zero off the diagonal
+    blocks when N < 128."""
+    i = tl.arange(0, 128)[:, None]
+    j = tl.arange(0, 128)[None, :]
+    bits = i & j & (N - 1)
+    bits = bits ^ (bits >> 4)
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)  # bit 0 is now the parity of i & j
+    signs = tl.load(signs_ptr + tl.arange(0, 128) % N)[:, None]
+    rotation = tl.where((i // N) == (j // N), (1 - 2 * (bits & 1)).to(tl.float32) * signs, 0.0)
     if DOT_FP32:  # FP32 inputs: exact products, no TF32 truncation
-        return tl.dot(tile.to(tl.float32), rotation.to(tl.float32), input_precision="ieee") * SCALE
-    return tl.dot(tile.to(tl.bfloat16), rotation.to(tl.bfloat16)) * SCALE
+        return tl.dot(tile.to(tl.float32), rotation, input_precision="ieee")
+    return tl.dot(tile.to(tl.bfloat16), rotation.to(tl.bfloat16))
 
 
 @triton.jit
@@ -171,6 +181,15 @@ def _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS: tl.constexpr, COLS: 
     rows = row0 + tl.arange(0, ROWS)
     cols = col0 + tl.arange(0, COLS)
     return tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c)
+
+
+@triton.jit
+def _uniform_noise(seed, first, COUNT: tl.constexpr):
+    """COUNT uniform floats in [0, 1) for counters first ... first + COUNT - 1: Philox makes four 32-bit numbers
+    per call, all of them used (tl.rand would use one)."""
+    a, b, c, d = tl.randint4x(seed, first // 4 + tl.arange(0, COUNT // 4))
+    bits = tl.reshape(tl.join(tl.join(a, b), tl.join(c, d)), (COUNT,))
+    return tl.random.uint_to_uniform_float(bits)
 
 
 # -----------------------------------------------------------------------------
@@ -186,10 +205,10 @@ def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _rotated_amax_kernel(x_ptr, stride_r, stride_c, rotation_ptr, amax_ptr, ROWS: tl.constexpr,
-                         ROTATION_SCALE: tl.constexpr, DOT_FP32: tl.constexpr):
+def _rotated_amax_kernel(x_ptr, stride_r, stride_c, signs_ptr, amax_ptr, ROWS: tl.constexpr, N: tl.constexpr,
+                         SCALE: tl.constexpr, DOT_FP32: tl.constexpr):
     tile = _load_tile(x_ptr, stride_r, stride_c, tl.program_id(0) * ROWS, tl.program_id(1) * 128, ROWS, 128)
-    rotated = _rotate(tile, rotation_ptr, ROTATION_SCALE, DOT_FP32)
+    rotated = _rotate(tile, signs_ptr, N, DOT_FP32) * SCALE
     bits = rotated.to(tl.int32, bitcast=True) & 0x7FFFFFFF
     tl.atomic_max(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
 
@@ -217,17 +236,17 @@ def _quantize_branch(groups, group_amax, fp4_max, tensor_scale, noise, STOCHASTI
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, stride_r, stride_c, rotation_ptr, amax_ptr, seed_ptr,
+def _quantize_kernel(x_ptr, stride_r, stride_c, signs_ptr, amax_ptr, seed,
                      codes_ptr, scales_ptr, scaled_ptr, tensor_scale_ptr,
                      C, fp4_max, fp4_max_46, limit,
-                     ROWS: tl.constexpr, ROTATE: tl.constexpr, ROTATION_SCALE: tl.constexpr,
+                     ROWS: tl.constexpr, ROTATE: tl.constexpr, N: tl.constexpr, SCALE: tl.constexpr,
                      STOCHASTIC: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, TILE16: tl.constexpr,
                      WRITE_SCALED: tl.constexpr, DOT_FP32: tl.constexpr):
     row0 = tl.program_id(0) * ROWS
     col0 = tl.program_id(1) * 128
     tile = _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS, 128).to(tl.float32)  # [ROWS, 128]
     if ROTATE:
-        tile = _rotate(tile, rotation_ptr, ROTATION_SCALE, DOT_FP32)
+        tile = _rotate(tile, signs_ptr, N, DOT_FP32) * SCALE  # 1/sqrt(N)
     groups = tl.reshape(tile, (ROWS // 16, 16, 8, 16))  # [row tiles, row in tile, group, element]
     group_amax = tl.max(tl.abs(groups), axis=3, keep_dims=True)
     if TILE16:
@@ -236,10 +255,8 @@ def _quantize_kernel(x_ptr, stride_r, stride_c, rotation_ptr, amax_ptr, seed_ptr
 
     noise = groups  # unused unless STOCHASTIC
     if STOCHASTIC:
-        rows = row0 + tl.arange(0, ROWS)
-        cols = col0 + tl.arange(0, 128)
-        offsets = tl.reshape(rows[:, None] * C + cols[None, :], (ROWS // 16, 16, 8, 16))
-        noise = tl.rand(tl.load(seed_ptr), offsets)
+        first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (ROWS * 128)  # this tile's counters
+        noise = tl.reshape(_uniform_noise(seed, first, ROWS * 128), (ROWS // 16, 16, 8, 16))
     magnitude, scale, error = _quantize_branch(groups, group_amax, fp4_max, tensor_scale, noise, STOCHASTIC, TILE16)
     if FOUR_OVER_SIX:
         magnitude4, scale4, error4 = _quantize_branch(groups, group_amax, fp4_max_46, tensor_scale, noise,
@@ -300,7 +317,7 @@ def _eden_store(rotated, codes_ptr, corrected_ptr, amax_ptr, row0, col0, width):
 
 
 @triton.jit
-def _eden_kernel(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, in_tensor_scale_ptr, rotation_ptr,
+def _eden_kernel(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, in_tensor_scale_ptr, signs_ptr,
                  row_codes_ptr, row_corrected_ptr, row_amax_ptr, col_codes_ptr, col_corrected_ptr, col_amax_ptr,
                  R, C, FROM_NVFP4: tl.constexpr, ROWS_OUT: tl.constexpr, COLS_OUT: tl.constexpr,
                  DOT_FP32: tl.constexpr):
@@ -320,23 +337,23 @@ def _eden_kernel(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, in_tens
     else:
         tile = _load_tile(x_ptr, stride_r, stride_c, row0, col0, 128, 128)
     if ROWS_OUT:
-        rotated = _rotate(tile, rotation_ptr, 1.0, DOT_FP32) * scale
+        rotated = _rotate(tile, signs_ptr, 128, DOT_FP32) * scale
         _eden_store(rotated, row_codes_ptr, row_corrected_ptr, row_amax_ptr, row0, col0, C)
     if COLS_OUT:
-        rotated = _rotate(tl.trans(tile), rotation_ptr, 1.0, DOT_FP32) * scale
+        rotated = _rotate(tl.trans(tile), signs_ptr, 128, DOT_FP32) * scale
         _eden_store(rotated, col_codes_ptr, col_corrected_ptr, col_amax_ptr, col0, row0, R)
 
 
 @triton.jit
-def _eden_finish_kernel(corrected_ptr, amax_ptr, seed_ptr, codes_ptr, scales_ptr, scaled_ptr, tensor_scale_ptr,
-                        n_groups, GROUPS: tl.constexpr, WRITE_SCALED: tl.constexpr):
-    """Phase two over GROUPS consecutive 16-groups: tensor scale from the largest corrected scale, E4M3 stochastic
-    rounding of each corrected scale, and code * group_scale in BF16."""
-    group = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
+def _eden_finish(corrected_ptr, amax_ptr, codes_ptr, scales_ptr, scaled_ptr, tensor_scale_ptr, n_groups, block,
+                 seed, counter0, GROUPS: tl.constexpr, WRITE_SCALED: tl.constexpr):
+    """Phase two for GROUPS consecutive 16-groups of one tensor: tensor scale from the largest corrected scale,
+    E4M3 stochastic rounding of each corrected scale, and code * group_scale in BF16."""
+    group = block * GROUPS + tl.arange(0, GROUPS)
     valid = group < n_groups
     tensor_scale = _tensor_scale(amax_ptr, _EDEN_FP8_MAX)
     target = tl.math.div_rn(tl.load(corrected_ptr + group, mask=valid, other=0.0), tensor_scale)
-    noise = tl.rand(tl.load(seed_ptr), group)
+    noise = tl.rand(seed, counter0 + group)
     scale = _round_to_grid(target, noise, 3, -6, 448.0, True)
     tl.store(scales_ptr + group, _e4m3_bits(scale), mask=valid)
     if WRITE_SCALED:
@@ -344,8 +361,23 @@ def _eden_finish_kernel(corrected_ptr, amax_ptr, seed_ptr, codes_ptr, scales_ptr
         value = _e2m1_value(_unpack(packed, GROUPS, 16)) * scale[:, None]
         element = group[:, None] * 16 + tl.arange(0, 16)[None, :]
         tl.store(scaled_ptr + element, value.to(tl.bfloat16), mask=valid[:, None])
-    if tl.program_id(0) == 0:
+    if block == 0:
         tl.store(tensor_scale_ptr, tensor_scale)
+
+
+@triton.jit
+def _eden_finish_kernel(seed, corrected1, amax1, codes1, scales1, scaled1, tensor_scale1, n_groups1,
+                        corrected2, amax2, codes2, scales2, scaled2, tensor_scale2, n_groups2,
+                        GROUPS: tl.constexpr, WRITE_SCALED: tl.constexpr):
+    """Phase two for up to two tensors in one launch (one launch less per backward: launches cost host time)."""
+    blocks1 = tl.cdiv(n_groups1, GROUPS)
+    block = tl.program_id(0)
+    if block < blocks1:
+        _eden_finish(corrected1, amax1, codes1, scales1, scaled1, tensor_scale1, n_groups1, block, seed, 0,
+                     GROUPS, WRITE_SCALED)
+    else:
+        _eden_finish(corrected2, amax2, codes2, scales2, scaled2, tensor_scale2, n_groups2, block - blocks1, seed,
+                     n_groups1, GROUPS, WRITE_SCALED)
 
 
 # -----------------------------------------------------------------------------
@@ -378,21 +410,17 @@ def _dequantize_kernel(codes_ptr, scales_ptr, tensor_scale_ptr, out_ptr, C, ROWS
 # Python side: launching the kernels
 
 
-def _signed_hadamard(signs):
-    """diag(signs) @ H_pm1, the +-1 matrix of the rotation x -> x * diag(s) * H (block-diagonal when len(s) < 128),
-    in BF16 (exact) for the tensor-core dot."""
-    n = signs.numel()
-    if n not in (16, 128):
-        raise ValueError(f"the kernels rotate 16- or 128-chunks, got {n} signs")
-    blocks = torch.ones(1, 1, device=signs.device)
-    while blocks.shape[0] < n:
-        blocks = torch.cat([torch.cat([blocks, blocks], 1), torch.cat([blocks, -blocks], 1)], 0)
-    block = signs.float()[:, None] * blocks
-    return torch.block_diag(*[block] * (128 // n)).to(torch.float32 if INTERPRETED else torch.bfloat16)
+def _signs(signs, device):
+    """The rotation's random signs as float32 on the kernel's device (the kernels build H from them)."""
+    if signs.numel() not in (16, 128):
+        raise ValueError(f"the kernels rotate 16- or 128-chunks, got {signs.numel()} signs")
+    return signs.to(device=device, dtype=torch.float32)
 
 
-def _random_seed(device, generator):
-    return torch.randint(0, 2**31 - 1, (1,), device=device, generator=generator, dtype=torch.int64)
+def _random_seed(generator=None):
+    """A Philox seed drawn on the host from a CPU generator (default: torch's global one), so launching needs no
+    device work and no synchronization, and checkpoints that save the CPU random state reproduce it."""
+    return int(torch.randint(0, 2**31 - 1, (), generator=generator))
 
 
 def _dot_fp32(x):
@@ -400,17 +428,18 @@ def _dot_fp32(x):
     return INTERPRETED or x.dtype == torch.float32
 
 
-def _amax(x, transpose=False, rotation=None, rotation_scale=1.0):
-    """Absolute maximum of x (or of rht(x^T)) as int32 bits in a 1-element tensor, without a host sync."""
+def _amax(x, transpose=False, signs=None):
+    """Absolute maximum of x (or of rht(x^T, signs)) as int32 bits in a 1-element tensor, without a host sync."""
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if rotation is None:
+    if signs is None:
         x = x.contiguous()
         _amax_kernel[(triton.cdiv(x.numel(), AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=AMAX_BLOCK)
         return amax
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
     strides = (x.stride(1), x.stride(0)) if transpose else x.stride()
-    _rotated_amax_kernel[(rows // QUANTIZE_ROWS, cols // TILE)](x, *strides, rotation, amax, ROWS=QUANTIZE_ROWS,
-                                                                 ROTATION_SCALE=rotation_scale, DOT_FP32=_dot_fp32(x))
+    _rotated_amax_kernel[(rows // QUANTIZE_ROWS, cols // TILE)](x, *strides, signs, amax, ROWS=QUANTIZE_ROWS,
+                                                                 N=signs.numel(), SCALE=1 / math.sqrt(signs.numel()),
+                                                                 DOT_FP32=_dot_fp32(x))
     return amax
 
 
@@ -424,9 +453,8 @@ def triton_quantize(x, rounding="rtn", four_over_six=False, block="1x16", fp4_ma
         raise ValueError(f"triton_quantize needs [rows, cols] multiples of [{QUANTIZE_ROWS}, {TILE}], "
                          f"got {[rows, cols]}")
     fp8_max = 256.0 if four_over_six else E4M3_MAX
-    rotation = None if signs is None else _signed_hadamard(signs)
-    rotation_scale = 1.0 if signs is None else 1 / math.sqrt(signs.numel())
-    amax = _amax(x, transpose, rotation, rotation_scale)
+    signs = None if signs is None else _signs(signs, x.device)
+    amax = _amax(x, transpose, signs)
     strides = (x.stride(1), x.stride(0)) if transpose else x.stride()
     device = x.device
     codes = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
@@ -434,13 +462,14 @@ def triton_quantize(x, rounding="rtn", four_over_six=False, block="1x16", fp4_ma
     scales = torch.empty(scale_rows, cols // GROUP, dtype=torch.float8_e4m3fn, device=device)
     scaled = torch.empty(rows, cols, dtype=torch.bfloat16, device=device) if scaled_codes else codes
     tensor_scale = torch.empty((), dtype=torch.float32, device=device)
-    seed = _random_seed(device, generator) if rounding == "sr" else amax
+    seed = _random_seed(generator) if rounding == "sr" else 0
     _quantize_kernel[(rows // QUANTIZE_ROWS, cols // TILE)](
-        x, *strides, amax if rotation is None else rotation, amax, seed, codes, scales.view(torch.uint8), scaled,
+        x, *strides, amax if signs is None else signs, amax, seed, codes, scales.view(torch.uint8), scaled,
         tensor_scale, cols, fp4_max, fp4_max * 4 / 6, fp8_max * fp4_max,
-        ROWS=QUANTIZE_ROWS, ROTATE=rotation is not None, ROTATION_SCALE=rotation_scale,
+        ROWS=QUANTIZE_ROWS, ROTATE=signs is not None, N=1 if signs is None else signs.numel(),
+        SCALE=1.0 if signs is None else 1 / math.sqrt(signs.numel()),
         STOCHASTIC=rounding == "sr", FOUR_OVER_SIX=four_over_six, TILE16=block == "16x16",
-        WRITE_SCALED=scaled_codes, DOT_FP32=_dot_fp32(x), num_warps=8)
+        WRITE_SCALED=scaled_codes, DOT_FP32=_dot_fp32(x), num_warps=QUANTIZE_WARPS)
     return NVFP4Tensor(codes, scales, tensor_scale, torch.Size((rows, cols)), block,
                        scaled if scaled_codes else None)
 
@@ -464,8 +493,8 @@ def eden_phase1(x, signs):
     _check_eden_input(rows, cols)
     row_out, col_out = _eden_outputs(rows, cols, x.device), _eden_outputs(cols, rows, x.device)
     _eden_kernel[(rows // 128, cols // 128)](
-        x, *x.stride(), x, x, x, _signed_hadamard(signs), *row_out, *col_out, rows, cols,
-        FROM_NVFP4=False, ROWS_OUT=True, COLS_OUT=True, DOT_FP32=_dot_fp32(x), num_warps=8)
+        x, *x.stride(), x, x, x, _signs(signs, x.device), *row_out, *col_out, rows, cols,
+        FROM_NVFP4=False, ROWS_OUT=True, COLS_OUT=True, DOT_FP32=_dot_fp32(x), num_warps=EDEN_WARPS)
     return row_out, col_out
 
 
@@ -477,34 +506,47 @@ def eden_phase1_requantize(q, signs):
     _check_eden_input(rows, cols)
     out = _eden_outputs(cols, rows, q.codes.device)
     _eden_kernel[(rows // 128, cols // 128)](  # the row outputs are not written (ROWS_OUT=False)
-        q.codes, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, _signed_hadamard(signs),
-        *out, *out, rows, cols, FROM_NVFP4=True, ROWS_OUT=False, COLS_OUT=True, DOT_FP32=INTERPRETED, num_warps=8)
+        q.codes, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, _signs(signs, q.codes.device),
+        *out, *out, rows, cols, FROM_NVFP4=True, ROWS_OUT=False, COLS_OUT=True, DOT_FP32=INTERPRETED,
+        num_warps=EDEN_WARPS)
     return out
 
 
-def eden_phase2(codes, corrected, amax, generator=None, scaled_codes=True):
-    """Phase two: the NVFP4 tensor from phase one's codes, corrected scales and their maximum."""
+def _finish_outputs(codes, corrected, scaled_codes):
     device = codes.device
     rows, cols = codes.shape[0], codes.shape[1] * 2
     scales = torch.empty(corrected.shape, dtype=torch.float8_e4m3fn, device=device)
     scaled = torch.empty(rows, cols, dtype=torch.bfloat16, device=device) if scaled_codes else codes
-    tensor_scale = torch.empty((), dtype=torch.float32, device=device)
-    n_groups = corrected.numel()
-    _eden_finish_kernel[(triton.cdiv(n_groups, FINISH_GROUPS),)](
-        corrected, amax, _random_seed(device, generator), codes, scales.view(torch.uint8), scaled, tensor_scale,
-        n_groups, GROUPS=FINISH_GROUPS, WRITE_SCALED=scaled_codes)
-    return NVFP4Tensor(codes, scales, tensor_scale, torch.Size((rows, cols)), "1x16", scaled if scaled_codes else None)
+    return scales, scaled, torch.empty((), dtype=torch.float32, device=device)
+
+
+def eden_phase2(first, second=None, generator=None, scaled_codes=True):
+    """Phase two for one or two phase-one results (codes, corrected scales, their maximum), in one launch.
+    Returns the NVFP4 tensor, or a pair of them."""
+    parts = [first] if second is None else [first, second]
+    outputs = [_finish_outputs(codes, corrected, scaled_codes) for codes, corrected, _ in parts]
+    arguments = [(corrected, amax, codes, scales.view(torch.uint8), scaled, tensor_scale, corrected.numel())
+                 for (codes, corrected, amax), (scales, scaled, tensor_scale) in zip(parts, outputs)]
+    blocks = sum(triton.cdiv(a[-1], FINISH_GROUPS) for a in arguments)
+    if second is None:
+        arguments.append(arguments[0][:-1] + (0,))  # an empty second tensor
+    _eden_finish_kernel[(blocks,)](_random_seed(generator), *arguments[0], *arguments[1], GROUPS=FINISH_GROUPS,
+                                   WRITE_SCALED=scaled_codes)
+    results = tuple(NVFP4Tensor(codes, scales, tensor_scale, torch.Size((codes.shape[0], codes.shape[1] * 2)),
+                                "1x16", scaled if scaled_codes else None)
+                    for (codes, _, _), (scales, scaled, tensor_scale) in zip(parts, outputs))
+    return results[0] if second is None else results
 
 
 def triton_ms_eden_pair(x, signs, generator=None, scaled_codes=True):
     """MS-EDEN of x [R, C] rotated along C and of x^T [C, R] rotated along R, from one read of x."""
     row_out, col_out = eden_phase1(x, signs)
-    return eden_phase2(*row_out, generator, scaled_codes), eden_phase2(*col_out, generator, scaled_codes)
+    return eden_phase2(row_out, col_out, generator, scaled_codes)
 
 
 def triton_requantize_ms_eden(q, signs, generator=None, scaled_codes=True):
     """MS-EDEN of q.dequantize()^T for a 1x16 NVFP4 tensor q [R, C]: one pass over q, then phase two."""
-    return eden_phase2(*eden_phase1_requantize(q, signs), generator, scaled_codes)
+    return eden_phase2(eden_phase1_requantize(q, signs), None, generator, scaled_codes)
 
 
 def triton_dequantize(q, dtype=torch.float32, tensor_scale=True):

@@ -255,6 +255,13 @@ def save_checkpoint(path, state):
     os.replace(temporary, path)
 
 
+def check_finite(model, recipe, step, checkpoint_path):
+    """Refuse to checkpoint non-finite weights (the last good checkpoint stays)."""
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise TrainingError(f"[{recipe}] non-finite weights at step {step}; stopping. The last good checkpoint "
+                            f"(if any) is kept at {checkpoint_path}")
+
+
 def rng_state():
     return dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
 
@@ -367,8 +374,8 @@ def train_recipe(recipe, args, ctx, data, log_file):
             loss_sum += loss.detach()
         loss_value = ctx.all_sum(loss_sum).item() / (accumulation * ctx.world)
         if not math.isfinite(loss_value):
-            raise TrainingError(f"[{recipe}] non-finite loss ({loss_value}) at step {step}; stopping. The last good "
-                                f"checkpoint (if any) is kept at {checkpoint_path}")
+            raise TrainingError(f"[{recipe}] non-finite loss ({loss_value}) at step {step + 1}; stopping. The last "
+                                f"good checkpoint (if any) is kept at {checkpoint_path}")
         for optimizer in optimizers:
             optimizer.step()
         model.zero_grad(set_to_none=True)
@@ -391,8 +398,10 @@ def train_recipe(recipe, args, ctx, data, log_file):
             log_file.write(json.dumps(record) + "\n")
             log_file.flush()
         stopping = bool(args.stop_after) and step + 1 - start >= args.stop_after
-        if ctx.rank == 0 and not done and ((step + 1) % args.checkpoint_every == 0 or stopping):
-            save_checkpoint(checkpoint_path, checkpoint_state(step + 1))
+        if not done and ((step + 1) % args.checkpoint_every == 0 or stopping):
+            check_finite(model, recipe, step + 1, checkpoint_path)
+            if ctx.rank == 0:
+                save_checkpoint(checkpoint_path, checkpoint_state(step + 1))
         if stopping and not done:
             ctx.log(f"[{recipe}] stopping after {args.stop_after} steps as asked; continue with --resume")
             return None
@@ -402,6 +411,7 @@ def train_recipe(recipe, args, ctx, data, log_file):
             recipe=recipe, val_bpb=history["final_bpb"], steps=args.steps, tokens=args.steps * tokens_per_step,
             tokens_per_s=sum(throughput) / len(throughput) if throughput else float("nan"),
             peak_memory_gb=torch.cuda.max_memory_allocated(ctx.device) / 1e9 if ctx.device.type == "cuda" else None)
+        check_finite(model, recipe, args.steps, checkpoint_path)
         if ctx.rank == 0:
             save_checkpoint(checkpoint_path, checkpoint_state(args.steps))
     return history["row"]

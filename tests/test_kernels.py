@@ -193,7 +193,7 @@ def test_eden_phase2_rounds_scales_stochastically_to_neighbours():
     upper = ALL_E4M3[torch.searchsorted(ALL_E4M3, target.flatten())].view_as(target)
     draws = []
     for _ in range(200):
-        q = cpu(kernels.eden_phase2(codes, corrected, amax))
+        q = cpu(kernels.eden_phase2((codes, corrected, amax)))
         scale = q.group_scale.float()
         assert ((scale == lower) | (scale == upper)).all() and torch.equal(q.tensor_scale, tensor_scale)
         assert torch.equal(q.scaled_codes.float(), q.dequantize(tensor_scale=False))
