@@ -55,11 +55,11 @@ EOT = 50256
 
 # Presets: a flat set of defaults per size; any flag given on the command line wins.
 PRESETS = {
-    "tiny": dict(depth=2, seq_len=256, device_batch=4, batch_tokens=2048, steps=60, eval_every=20,
-                 eval_tokens=16384),
-    "small": dict(depth=4, seq_len=512, device_batch=64, batch_tokens=65536, steps=250, eval_every=50,
+    "tiny": dict(depth=2, seq_len=128, device_batch=8, batch_tokens=1024, steps=40, eval_every=20,
+                 eval_tokens=8192),
+    "small": dict(depth=4, seq_len=512, device_batch=64, batch_tokens=65536, steps=200, eval_every=50,
                   eval_tokens=262144),
-    "d12": dict(depth=12, seq_len=1024, device_batch=64, batch_tokens=262144, steps=300, eval_every=50,
+    "d12": dict(depth=12, seq_len=1024, device_batch=32, batch_tokens=131072, steps=140, eval_every=35,
                 eval_tokens=262144),
     "d20": dict(depth=20, seq_len=2048, device_batch=32, batch_tokens=524288, steps=2000, eval_every=250,
                 eval_tokens=1048576),
@@ -438,6 +438,18 @@ def summarize(rows, ctx, args):
     plot(args.out)
 
 
+def metrics_file(args):
+    """OUT/metrics.jsonl, ready for appending: a fresh (not resumed) run drops the earlier records of the recipes it
+    is about to train and keeps the others, so recipes can be trained by separate invocations into one OUT."""
+    path = os.path.join(args.out, "metrics.jsonl")
+    if not args.resume and os.path.exists(path):
+        with open(path) as f:
+            kept = [line for line in f if json.loads(line)["recipe"] not in args.recipes]
+        with open(path, "w") as f:
+            f.writelines(kept)
+    return path
+
+
 def plot(out):
     """Loss and validation curves per recipe to OUT/loss.png, if matplotlib is installed."""
     try:
@@ -544,7 +556,7 @@ def main(argv=None):
                 token_bytes(tokenizer))
         os.makedirs(args.out, exist_ok=True)
         rows = []
-        with open(os.path.join(args.out, "metrics.jsonl"), "a" if args.resume else "w") as log_file:
+        with open(metrics_file(args), "a") as log_file:
             for recipe in args.recipes:
                 row = train_recipe(recipe, args, ctx, data, log_file)
                 if row is None:  # --stop-after

@@ -130,20 +130,26 @@ def test_random_kernels_error_within_one_percent_at_scale(quantizer, name):
     assert abs(ours / theirs - 1) < 0.01
 
 
-def test_rotated_transposed_sr_kernel():  # the NVIDIA recipe's E^T operand: SR of RHT16(E^T)
+def test_rotated_transposed_kernels():  # the NVIDIA recipe's dW operands: SR of RHT16(E^T), RTN of RHT16(X^T)
+    # A 16-wide rotation of BF16 values scales by exactly 1/4, but the kernel sums its 16 products on tensor cores,
+    # whose FP32 accumulation order (and, on GPUs, alignment) differs from the reference's: the rotated values agree
+    # to a few ulp (2^-22 relative). A scale or code can then change only where a value lies that close to a rounding
+    # boundary, a chance of order 1e-6 per value; the test allows 1 in 1000 (in the interpreter they are identical).
     x = varied(256, 128)
     signs = random_signs(16)
-    options = dict(rounding="sr", fp4_max=6 * 16 / 17)
-    ours = cpu(kernels.triton_quantize(x, transpose=True, signs=signs.to(DEVICE), **options))
-    reference = quantize_nvfp4(rht(x.cpu().t(), signs), **options)
-    # a 16-wide rotation of BF16 values scales by exactly 1/4 and sums 16 exact products in FP32: same numbers
-    assert torch.equal(ours.tensor_scale, reference.tensor_scale)
-    assert torch.equal(ours.group_scale.view(torch.uint8), reference.group_scale.view(torch.uint8))
-    lower, upper = neighbours(scaled_input(rht(x.cpu().t(), signs), reference))
-    magnitude = decode_e2m1(unpack_codes(ours.codes)).abs()
-    assert ((magnitude == lower) | (magnitude == upper)).all()
-    rtn = cpu(kernels.triton_quantize(x, transpose=True, signs=signs.to(DEVICE)))
-    assert_same_quantization(rtn, quantize_nvfp4(rht(x.cpu().t(), signs)))
+    rotated = rht(x.cpu().t(), signs)
+    for options in (dict(rounding="sr", fp4_max=6 * 16 / 17), dict()):
+        ours = cpu(kernels.triton_quantize(x, transpose=True, signs=signs.to(DEVICE), **options))
+        reference = quantize_nvfp4(rotated, **options)
+        assert abs(ours.tensor_scale.item() / reference.tensor_scale.item() - 1) < 1e-6
+        same_scale = ours.group_scale.view(torch.uint8) == reference.group_scale.view(torch.uint8)
+        assert same_scale.float().mean() >= 0.999
+        lower, upper = neighbours(scaled_input(rotated, ours))  # with the kernel's own scales
+        magnitude = decode_e2m1(unpack_codes(ours.codes)).abs()
+        allowed = (magnitude == lower) | (magnitude == upper)
+        if "rounding" not in options:  # round to nearest: the nearer neighbour, as the reference picked
+            allowed = decode_e2m1(unpack_codes(ours.codes)) == decode_e2m1(unpack_codes(reference.codes))
+        assert allowed.float().mean() >= 0.999
 
 
 # --- MS-EDEN ---------------------------------------------------------------------------------------------------------

@@ -107,6 +107,13 @@ def test_tiny_run_writes_metrics_summary_and_plot(small_data, tmp_path):
         pass
 
 
+def test_separate_invocations_keep_each_others_metrics(small_data, tmp_path):
+    for recipe in ("bf16", "quartet2", "bf16"):  # the second bf16 run replaces the first one's records only
+        assert run(tiny_args(small_data, tmp_path, "--steps", "2", "--recipe", recipe)) is None
+    recipes = [json.loads(line)["recipe"] for line in open(tmp_path / "metrics.jsonl")]
+    assert sorted(recipes) == ["bf16", "bf16", "quartet2", "quartet2"]
+
+
 def final_state(out, recipe):
     return torch.load(os.path.join(out, recipe, "checkpoint.pt"), weights_only=False)
 
