@@ -18,7 +18,8 @@ The kernels (each a Triton program over a tile; everything in between stays in r
 - _eden_kernel: RHT-128 + MS-EDEN, phase one, for a 128x128 tile read once: it can emit the tile rotated along its
   rows (E for dX) and along its columns (E^T for dW) from that single read, or read a saved NVFP4 tensor and emit its
   transpose (re-quantization of X and W for the backward: dequantize + transpose + rotate + MS-EDEN in one pass). The
-  rotation is a tensor-core dot with the +-1 Hadamard matrix (exact in BF16), scaled by 1/sqrt(128) in FP32. It
+  rotation is a tensor-core dot with the +-1 Hadamard matrix, which the kernel generates in registers from the signs
+  (H[i, j] = (-1)^popcount(i & j)); its products are exact in BF16, and 1/sqrt(128) is applied in FP32. It
   writes the packed codes and the corrected scales in FP32, and reduces the largest corrected scale: post hoc range
   alignment (see eden.py), so no separate pass for the global maximum is needed.
 - _eden_finish_kernel: phase two, tiny: picks the tensor scale from that maximum, stochastically rounds every
@@ -29,9 +30,10 @@ The kernels (each a Triton program over a tile; everything in between stays in r
 Exactness. Each kernel performs the reference's floating-point operations in the same order (IEEE division via
 div_rn, E2M1/E4M3 rounding with integer bit arithmetic that is exact on every backend, the four-over-six errors in
 FP64 so the choice does not depend on summation order), so codes and scales are bit-identical to the reference.
-Two exceptions, both at float32 round-off: the rotation (the kernel sums +-x exactly and scales once; the reference
-multiplies by +-1/sqrt(128) and sums in another order), which can move a value across a rounding boundary in about
-one element in 10^5; and the random bits (Philox from tl.rand here, torch's generator in the reference), so random
+Two exceptions. The rotation, at float32 round-off: the kernel sums +-x on tensor cores (whose FP32 accumulation
+order, and on GPUs alignment, is their own) and scales once; the reference multiplies by +-1/sqrt(128) and sums in
+another order. That moves a value across a rounding boundary for a few elements in 10^4 at most (the tests bound
+it). And the random bits (Philox from tl.rand here, torch's generator in the reference), so random
 outputs are compared by their statistics and by lying on the two neighbours the reference allows.
 
 The GEMM. nvfp4_mm(a, b) = a @ b^T for two NVFP4Tensors quantized along K. On sm_100+ it calls cuBLAS through
@@ -40,7 +42,7 @@ blocked layout (blocked_scales). Elsewhere it multiplies the BF16 code * group_s
 of the two FP32 tensor scales where it is cheapest: to the smaller input operand (a weight) or to the output. That
 costs one BF16 rounding the native GEMM does not have; the operands themselves are exact.
 
-Dispatch. quantize, ms_eden, ms_eden_pair, requantize_ms_eden, dequantize and nvfp4_mm are what model.py calls: on a
+Dispatch. quantize, ms_eden_pair, requantize_ms_eden, dequantize and nvfp4_mm are what model.py calls: on a
 CUDA tensor they run the kernels, on a CPU tensor the references in quantize.py and eden.py. The triton_* functions
 run the kernels on any device (on a CPU under TRITON_INTERPRET=1, which is how the tests check them without a GPU).
 """
@@ -53,7 +55,7 @@ import triton
 import triton.language as tl
 
 from eden import EDEN_FP4_MAX, EDEN_FP8_MAX, HADAMARD, quantize_ms_eden, rht
-from quantize import E2M1_MAX, E4M3_MAX, GROUP, NVFP4Tensor, check_quantizable, quantize_nvfp4
+from quantize import E2M1_MAX, E4M3_MAX, GROUP, NVFP4Tensor, quantize_nvfp4
 
 # The Triton interpreter (CPU) gets BF16 dots wrong; there the rotation runs in FP32, exact for BF16 values.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

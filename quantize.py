@@ -30,19 +30,19 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
        group_scale  = E4M3_round(group_amax / fp4_max / tensor_scale)   (1 if that rounds to 0)
        code         = E2M1_round(x * (1 / (group_scale * tensor_scale)))  (saturating at +-6)
 
-   Every rounding here is to nearest, ties to even (x is multiplied by the reciprocal of its scale, as GPU kernels
-   do, rather than divided by it: the two can differ in the last bit). Rounding the group scale can shrink it by up to a factor 16/17,
-   which pushes the group maximum a little past fp4_max; with fp4_max = 6 that value saturates at 6.
+   Every rounding here is to nearest, ties to even. x is multiplied by the reciprocal of its scale, as GPU kernels
+   do, rather than divided by it (the two can differ in the last bit). Rounding the group scale can shrink it by up
+   to a factor 16/17, which pushes the group maximum a little past fp4_max; with fp4_max = 6 it saturates at 6.
 
 4. Variants
    - Stochastic rounding (SR): round each x / (group_scale * tensor_scale) up or down to its two grid neighbours,
-     up with probability equal to the distance from the lower one (in units of the step). Then E[code] = x exactly,
-     as long as nothing clips: SR therefore scales with fp4_max = 6 * 16/17, so that even a group scale shrunk by
+     up with probability equal to the distance from the lower one (in units of the step). Then
+     E[code * group_scale * tensor_scale] = x exactly, as long as nothing clips: SR therefore scales with fp4_max = 6 * 16/17, so that even a group scale shrunk by
      16/17 keeps the group maximum inside the grid.
    - Four-over-six (4/6): quantize each group twice, once mapping its maximum to fp4_max (6) and once to
      fp4_max * 4/6 (4, i.e. a group scale 1.5x larger), and keep the one with the smaller squared error (a tie keeps
-     6). Mapping to 4 trades the top of the grid for finer steps near it (3 and 4 are closer to 4 than 4 and 6 are
-     to 6). The 1.5x larger scale needs headroom in E4M3, so fp8_max defaults to 256 instead of 448. Choosing by
+     6). Mapping to 4 gives up the grid value 6, but the group's largest values then round between 3 and 4 instead
+     of between 4 and 6: a finer step where most of the error is made. The 1.5x larger scale needs headroom in E4M3, so fp8_max defaults to 256 instead of 448. Choosing by
      error makes the quantizer biased, which is fine for the forward pass only.
 
 5. NaN and Inf: E2M1 has neither. A NaN or Inf anywhere in the input makes the tensor scale NaN, so the whole tensor

@@ -27,7 +27,8 @@ end-of-text token excluded from both sums: a tokenizer-independent measure of co
 
 Safety. A checkpoint is written every --checkpoint-every steps and at the end, to a temporary file renamed over the
 old one (a crash never leaves half a checkpoint). --resume continues each recipe exactly: same data position,
-optimizer state and random state. A non-finite loss stops the run, naming the step, and keeps the last checkpoint.
+optimizer state and random state. A non-finite loss (or weights) stops the run, naming the step, and keeps the last
+good checkpoint.
 """
 
 import argparse
@@ -505,7 +506,7 @@ def parse_args(argv=None):
     add("--dtype", choices=["bfloat16", "float32"], help="autocast dtype (default bfloat16 on GPU, float32 on CPU)")
     add("--compile", action="store_true", help="torch.compile the model")
     add("--device", default="auto", help="cuda, cuda:N or cpu (default: the GPU if there is one)")
-    add("--seed", type=int, default=0)
+    add("--seed", type=int, default=0, help="seed of the weights, the data order and the quantization randomness")
     add("--out", default="runs/latest", help="output directory (checkpoints, metrics, summary, plot)")
     add("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     add("--resume", action="store_true", help="continue each recipe from its checkpoint in --out")

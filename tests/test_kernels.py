@@ -9,9 +9,8 @@ import torch
 
 import bench
 import kernels
-from eden import EDEN_FP8_MAX, eden_groups, inverse_rht, quantize_ms_eden, random_signs, rht
-from quantize import (E2M1_VALUES, NVFP4Tensor, decode_e2m1, e4m3_round, encode_e2m1, quantize_nvfp4,
-                      unpack_codes)
+from eden import EDEN_FP8_MAX, eden_groups, inverse_rht, random_signs, rht
+from quantize import E2M1_VALUES, NVFP4Tensor, decode_e2m1, quantize_nvfp4, unpack_codes
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"  # on the CPU the kernels run interpreted (tests/conftest.py)
