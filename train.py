@@ -32,6 +32,7 @@ good checkpoint.
 """
 
 import argparse
+import contextlib
 import glob
 import gzip
 import itertools
@@ -309,11 +310,12 @@ def evaluate(model, windows, bytes_per_token, ctx, args, dtype):
     loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     byte_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
     mine = windows[ctx.rank::ctx.world]
+    bytes_per_token = bytes_per_token.to(ctx.device)
     with torch.no_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32):
         for batch in mine.split(args.device_batch):
             batch = batch.to(ctx.device)
             losses = model(batch[:, :-1], batch[:, 1:], reduction="none")
-            losses_counted, bytes_counted = bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token.to(ctx.device))
+            losses_counted, bytes_counted = bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token)
             loss_sum += losses_counted
             byte_sum += bytes_counted
     model.train()
@@ -355,7 +357,7 @@ def train_recipe(recipe, args, ctx, data, log_file):
     tokens_per_step = windows_per_step * args.seq_len
     if ctx.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(ctx.device)
-    began, step = time.time(), start
+    began = time.time()
     for step in range(start, args.steps):
         multiplier = lr_multiplier(step, args.steps, args.warmup_steps, args.warmdown)
         for optimizer in optimizers:
@@ -368,7 +370,7 @@ def train_recipe(recipe, args, ctx, data, log_file):
         for micro, chunk in enumerate(batch.split(args.device_batch)):
             chunk = chunk.to(ctx.device)
             sync = micro == accumulation - 1 or not ctx.distributed
-            with (trained.no_sync() if not sync else torch.enable_grad()):
+            with contextlib.nullcontext() if sync else trained.no_sync():  # all-reduce on the last only
                 with torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32):
                     loss = trained(chunk[:, :-1], chunk[:, 1:])
                 (loss / accumulation).backward()
