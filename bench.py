@@ -216,7 +216,7 @@ def training_step(depth, recipe, args, device):
     from model import GPT
     torch.manual_seed(0)
     model = GPT(depth, recipe, max_seq_len=args.seq_len).to(device)
-    optimizers = train.make_optimizers(model, argparse.Namespace(lr_embedding=0.2, lr_head=0.004, lr_matrix=0.02))
+    optimizers = train.make_optimizers(model, train.parse_args([]))  # train.py's default learning rates
     runner = torch.compile(model) if args.compile else model
     batch = torch.randint(0, 50257, (args.device_batch, args.seq_len + 1), device=device)
 

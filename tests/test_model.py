@@ -112,7 +112,7 @@ def test_nvidia_recipe_gradients_are_close_to_exact():
 def overfit(recipe, steps=40):
     torch.manual_seed(0)
     gpt = GPT(2, recipe, max_seq_len=64)
-    optimizers = train.make_optimizers(gpt, train.parse_args(["--lr-matrix", "0.02"]))
+    optimizers = train.make_optimizers(gpt, train.parse_args([]))
     batch = torch.randint(0, 50257, (2, 65), generator=torch.Generator().manual_seed(1))
     losses = []
     for _ in range(steps):
