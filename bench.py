@@ -22,9 +22,7 @@ import sys
 import torch
 
 from eden import inverse_rht, quantize_ms_eden, random_signs
-from quantize import quantize_nvfp4
-
-SR_FP4_MAX = 6 * 16 / 17
+from quantize import SR_FP4_MAX, quantize_nvfp4
 
 
 def _nvfp4(**options):
@@ -129,10 +127,10 @@ def bench_kernels(args):
                                              2 + 2 + packed + scales + bf16),
         "RTN 16x16 (amax + quantize)": (lambda: kernels.triton_quantize(x, block="16x16"),
                                         2 + 2 + packed + scales / 16 + bf16),
-        "SR 1x16 (amax + quantize)": (lambda: kernels.triton_quantize(x, rounding="sr", fp4_max=6 * 16 / 17),
+        "SR 1x16 (amax + quantize)": (lambda: kernels.triton_quantize(x, rounding="sr", fp4_max=SR_FP4_MAX),
                                       2 + 2 + packed + scales + bf16),
         "SR of RHT16(x^T) (amax + quantize)": (
-            lambda: kernels.triton_quantize(x, rounding="sr", fp4_max=6 * 16 / 17, transpose=True, signs=signs16),
+            lambda: kernels.triton_quantize(x, rounding="sr", fp4_max=SR_FP4_MAX, transpose=True, signs=signs16),
             2 + 2 + packed + scales + bf16),
         "MS-EDEN phase 1, x and x^T": (lambda: kernels.eden_phase1(x, signs128), 2 + 2 * (packed + fp32_scales)),
         "MS-EDEN phase 2, one output": (lambda: kernels.eden_phase2(phase1[0]),
@@ -209,51 +207,89 @@ def bench_linear(args):
     return rows
 
 
-def training_step(depth, recipe, args, device):
-    """Median milliseconds and peak memory (GB) of one training step (forward, backward, Muon + AdamW) of a fresh
-    model on random tokens."""
+def training_step(depth, recipe, args, device, accumulation):
+    """One training step of a fresh model on random tokens, as train.py runs it: `accumulation` micro-batches of
+    forward + backward, then the optimizer (Muon + AdamW). Returns the median ms of one forward + backward and of
+    one optimizer step, and the peak memory (GB) of a whole step."""
     import train
     from model import GPT
     torch.manual_seed(0)
     model = GPT(depth, recipe, max_seq_len=args.seq_len).to(device)
-    optimizers = train.make_optimizers(model, train.parse_args([]))  # train.py's default learning rates
-    runner = torch.compile(model) if args.compile else model
+    adamw, muon = train.make_optimizers(model, train.parse_args([]))  # train.py's default learning rates
+    runner = train.compile_model(model, args.compile_mode) if args.compile else model
     batch = torch.randint(0, 50257, (args.device_batch, args.seq_len + 1), device=device)
 
-    def step():
+    def forward_backward():
+        torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = runner(batch[:, :-1], batch[:, 1:])
         loss.backward()
-        for optimizer in optimizers:
-            optimizer.step()
+
+    def optimizer_step():
+        adamw.step()
+        muon.step()
+
+    def whole_step():
+        for _ in range(accumulation):
+            forward_backward()
+        optimizer_step()
         model.zero_grad(set_to_none=True)
-    for _ in range(3):
-        step()
+
+    whole_step()  # compiles, warms up
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    return median_ms(step), torch.cuda.max_memory_allocated() / 1e9
+    whole_step()
+    torch.cuda.synchronize()
+    peak_memory = torch.cuda.max_memory_allocated() / 1e9
+    forward_backward()  # gradients for the optimizer to use (their values do not change its time)
+    ms_forward_backward, ms_optimizer = median_ms(forward_backward), median_ms(optimizer_step)
+    if args.profile:
+        profile(forward_backward, f"d{depth} {recipe}")
+    return ms_forward_backward, ms_optimizer, peak_memory
+
+
+def profile(fn, name, steps=3):
+    """torch.profiler over a few calls of fn: the GPU kernels that take the most time, and the launch count."""
+    from torch.profiler import ProfilerActivity
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+        for _ in range(steps):
+            fn()
+        torch.cuda.synchronize()
+    events = profiler.key_averages()
+    print(f"--- profile of {name}, per call (averaged over {steps}):")
+    print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
 def bench_train(args):
+    import train
     device = _gpu()
     tokens = args.device_batch * args.seq_len
-    print(f"one training step: {args.device_batch} x {args.seq_len} tokens, BF16 autocast"
-          f"{', torch.compile' if args.compile else ''}")
-    print(f"{'depth':>5} {'recipe':<10}{'ms':>9}{'tokens/s':>12}{'vs bf16':>9}{'peak GB':>9}")
+    mode = f"torch.compile (mode {args.compile_mode})" if args.compile else "eager"
+    print(f"training step of train.py's presets: micro-batches of {args.device_batch} x {args.seq_len} tokens, "
+          f"BF16 autocast, {mode}")
+    print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'optim ms':>9}{'step ms':>9}{'tokens/s':>11}"
+          f"{'vs bf16':>8}{'peak GB':>8}")
     rows = []
     for depth in args.depth:
+        preset = train.PRESETS.get(f"d{depth}", train.PRESETS["d12"])
+        accumulation = max(1, preset["batch_tokens"] // tokens)
         baseline = None  # BF16's tokens/s at this depth, when bf16 is among the recipes (it comes first by default)
         for recipe in args.recipes.split(","):
-            ms, peak_memory = training_step(depth, recipe, args, device)
+            ms_fb, ms_opt, peak_memory = training_step(depth, recipe, args, device, accumulation)
+            torch._dynamo.reset()
             torch.cuda.empty_cache()
-            tokens_per_s = tokens / (ms * 1e-3)
+            ms_step = accumulation * ms_fb + ms_opt
+            tokens_per_s = accumulation * tokens / (ms_step * 1e-3)
             baseline = tokens_per_s if recipe == "bf16" else baseline
             ratio = tokens_per_s / baseline if baseline else None
-            rows.append(dict(depth=depth, recipe=recipe, ms=ms, tokens_per_s=tokens_per_s, vs_bf16=ratio,
-                             peak_memory_gb=peak_memory, compiled=args.compile))
-            print(f"{depth:>5} {recipe:<10}{ms:>9.1f}{tokens_per_s:>12,.0f}"
-                  f"{f'{ratio:.2f}x' if ratio else '-':>9}{peak_memory:>9.1f}")
+            rows.append(dict(depth=depth, recipe=recipe, accumulation=accumulation, forward_backward_ms=ms_fb,
+                             optimizer_ms=ms_opt, step_ms=ms_step, tokens_per_s=tokens_per_s, vs_bf16=ratio,
+                             peak_memory_gb=peak_memory, compiled=args.compile, compile_mode=args.compile_mode))
+            print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{ms_opt:>9.1f}{ms_step:>9.1f}"
+                  f"{tokens_per_s:>11,.0f}{f'{ratio:.2f}x' if ratio else '-':>8}{peak_memory:>8.1f}", flush=True)
     return rows
+
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -273,10 +309,16 @@ def main(argv=None):
     training.add_argument("--recipes", default="bf16,quartet2,nvidia")
     training.add_argument("--seq-len", type=int, default=2048)
     training.add_argument("--device-batch", type=int, default=16)
-    training.add_argument("--compile", action="store_true")
+    training.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                          help="torch.compile the model (default), or --no-compile for eager")
+    training.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
+    training.add_argument("--profile", action="store_true", help="also print a torch.profiler table per model")
     for command in (quant, kernel, linear, training):
         command.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    if args.command == "train" and args.compile_mode is None:
+        import train
+        args.compile_mode = train.COMPILE_MODE
     run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train)[args.command]
     rows = run(args)
     if args.json:

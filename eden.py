@@ -38,8 +38,8 @@ Gaussian data is 23.5e-3, against 9.0e-3 for round-to-nearest (RTN). MS-EDEN is 
 Step by step, for x with a last dimension that is a multiple of 128:
 
        y            = rht(x, s)
-       scale_g      = amax(|y_g|) / fp4_max                  (FP32, the group's own unrounded scale)
-       u_g          = y_g * (1 / scale_g)                     (|u_g| <= fp4_max)
+       scale_g      = amax(|y_g|) / fp4_max                  (FP32, the group's own unrounded scale; 0 if < 2^-126)
+       u_g          = y_g * (fp4_max / amax(|y_g|))           (|u_g| <= fp4_max)
        codes_g      = E2M1_round(u_g)
        S_g          = <u_g, u_g> / <u_g, codes_g>             (= <y_g, y_g> / <y_g, y_hat_g>; 1 if all zero)
        tensor_scale = max_g(scale_g * S_g) / fp8_max          (post hoc range alignment)
@@ -55,28 +55,39 @@ Hadamard-128 with random signs is not a uniformly random rotation, and S is comp
 128-chunk; both are approximations that measure as unbiased well below the noise (bench.py quant, tests). A group
 whose corrected scale is below E4M3's smallest step (2^-9 of 1/256 of the tensor's largest scale) is still rounded
 without bias, but very coarsely. NaN or Inf anywhere makes the tensor scale, and so the whole result, NaN.
+
+Dynamic range. The rotation sums 128 values, so it could overflow FP32 for inputs near FP32's maximum: finite
+inputs beyond +-2^120 (1.3e36) saturate there first. A group whose scale_g is below FP32's smallest normal number
+(2^-126: its reciprocal would overflow) quantizes to zero, and a tensor too small for its tensor scale gets the
+tensor scale 1 (quantize.py, section 6): finite input never gives NaN.
 """
 
 import math
 
 import torch
 
-from quantize import (E2M1_MAX, GROUP, NVFP4Tensor, check_quantizable, e2m1_round, e4m3_stochastic_round,
-                      encode_e2m1, pack_codes, tensor_scale_for)
+from quantize import (E2M1_MAX, GROUP, MIN_NORMAL, NVFP4Tensor, check_quantizable, e2m1_round,
+                      e4m3_stochastic_round, encode_e2m1, pack_codes, tensor_scale_for)
 
 HADAMARD = 128  # rotation size
 EDEN_FP4_MAX = E2M1_MAX * (16 / 17) / 0.93
 EDEN_FP8_MAX = 256.0
+ROTATION_LIMIT = 2.0**120  # finite inputs saturate here before a rotation, which sums up to 128 of them
 
 
-def hadamard_matrix(n=HADAMARD):
-    """The n x n Sylvester Hadamard matrix divided by sqrt(n): symmetric and orthogonal (n a power of two)."""
+def sylvester_matrix(n=HADAMARD):
+    """The n x n Sylvester Hadamard matrix of +-1 (n a power of two): H[i, j] = (-1)^popcount(i & j)."""
     if n < 1 or n & (n - 1):
-        raise ValueError(f"hadamard_matrix needs a power of two, got {n}")
+        raise ValueError(f"a Hadamard matrix needs a power of two, got {n}")
     matrix = torch.ones(1, 1)
     while matrix.shape[0] < n:  # H_2k = [[H, H], [H, -H]]
         matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
-    return matrix / math.sqrt(n)
+    return matrix
+
+
+def hadamard_matrix(n=HADAMARD):
+    """The Sylvester Hadamard matrix divided by sqrt(n): symmetric and orthogonal."""
+    return sylvester_matrix(n) / math.sqrt(n)
 
 
 def random_signs(n=HADAMARD, generator=None, device=None):
@@ -86,28 +97,43 @@ def random_signs(n=HADAMARD, generator=None, device=None):
     return torch.randint(0, 2, (n,), generator=generator, device=device).float() * 2 - 1
 
 
-def _check_signs(signs, n):
-    if signs.shape != (n,):
-        raise ValueError(f"signs must have shape ({n},), got {tuple(signs.shape)}")
+def check_signs(signs, n=None):
+    """Raise a ValueError unless signs is a 1-D tensor of +-1 whose length is n (or, without n, a power of two up
+    to 128)."""
+    if not isinstance(signs, torch.Tensor) or signs.dim() != 1:
+        raise ValueError(f"signs must be a 1-D tensor of +-1, got {getattr(signs, 'shape', type(signs).__name__)}")
+    length = signs.numel()
+    if (length != n) if n else (length < 2 or length > HADAMARD or length & (length - 1)):
+        raise ValueError(f"signs must have {n or 'a power of two up to 128'} entries, got {length}")
+    if not signs.is_cuda and not (signs.abs() == 1).all():  # on a GPU this check would wait for the device
+        raise ValueError("signs must hold only +1 and -1")
+
+
+def _rotate(x, signs, inverse, what):
+    """x * diag(s) * H (or, inverse, x * H * diag(s)) on each len(signs)-chunk of the last dimension, in FP32 as
+    the kernels compute it: a sum of +-x (exact products), then one multiplication by 1/sqrt(n)."""
+    check_signs(signs)
+    n = signs.numel()
+    check_quantizable(x, n, what=what)
+    chunks = x.float().unflatten(-1, (-1, n))  # [..., C/n, n]
+    signs = signs.to(device=x.device, dtype=torch.float32)
+    sylvester = sylvester_matrix(n).to(x.device)
+    if inverse:
+        return ((chunks @ sylvester) * (1 / math.sqrt(n)) * signs).flatten(-2)
+    saturated = chunks.clamp(-ROTATION_LIMIT, ROTATION_LIMIT)
+    chunks = torch.where(chunks.isinf(), chunks, saturated)  # Inf stays Inf (and NaN stays NaN)
+    return (((chunks * signs) @ sylvester) * (1 / math.sqrt(n))).flatten(-2)
 
 
 def rht(x, signs):
-    """Rotate each consecutive chunk of len(signs) along the last dimension: x * diag(s) * H (float32)."""
-    n = signs.numel()
-    _check_signs(signs, n)
-    check_quantizable(x, n, what="rht")
-    chunks = x.float().unflatten(-1, (-1, n))  # [..., C/n, n]
-    rotated = (chunks * signs.to(x.device)) @ hadamard_matrix(n).to(x.device)
-    return rotated.flatten(-2)
+    """Rotate each consecutive chunk of len(signs) along the last dimension: x * diag(s) * H (float32). Finite
+    values beyond +-ROTATION_LIMIT saturate first."""
+    return _rotate(x, signs, inverse=False, what="rht")
 
 
 def inverse_rht(y, signs):
     """Undo rht: y * H * diag(s) (H is symmetric and orthogonal)."""
-    n = signs.numel()
-    _check_signs(signs, n)
-    check_quantizable(y, n, what="inverse_rht")
-    chunks = y.float().unflatten(-1, (-1, n))
-    return ((chunks @ hadamard_matrix(n).to(y.device)) * signs.to(y.device)).flatten(-2)
+    return _rotate(y, signs, inverse=True, what="inverse_rht")
 
 
 def eden_groups(rotated):
@@ -115,11 +141,14 @@ def eden_groups(rotated):
 
     Returns (E2M1 values [..., C/16, 16], corrected FP32 scales [..., C/16, 1])."""
     groups = rotated.float().unflatten(-1, (-1, GROUP))
-    scale = groups.abs().amax(-1, keepdim=True) / EDEN_FP4_MAX
-    scaled = groups * (1 / torch.where(scale == 0, torch.ones_like(scale), scale))  # |scaled| <= 6.07
+    largest = groups.abs().amax(-1, keepdim=True)
+    scale = largest * (1 / EDEN_FP4_MAX)  # a multiplication by an FP32 constant, as the kernel computes it
+    flushed = scale < MIN_NORMAL  # a group this small becomes zeros
+    scale = torch.where(flushed, torch.zeros_like(scale), scale)
+    scaled = groups * torch.where(flushed, torch.ones_like(scale), EDEN_FP4_MAX / largest)  # |scaled| <= 6.07
     values = e2m1_round(scaled)
-    # S = <y, y> / <y, y_hat>, computed on the scaled values so that squares cannot overflow. Both sums are 0 only
-    # for an all-zero group (the group maximum always gets a nonzero code).
+    # S = <y, y> / <y, y_hat>, computed on the scaled values so that squares cannot overflow. The overlap is 0 only
+    # for an all-zero or flushed group (otherwise the group maximum gets a nonzero code).
     norm = scaled.square().sum(-1, keepdim=True)
     overlap = (scaled * values).sum(-1, keepdim=True)
     correction = torch.where(overlap > 0, norm / overlap, torch.ones_like(norm))
@@ -131,7 +160,7 @@ def quantize_ms_eden(x, signs, generator=None):
 
     The result holds the rotated values: pair it with an operand rotated by the same signs (rotations cancel in
     the GEMM), or undo the rotation with inverse_rht(result.dequantize(), signs)."""
-    _check_signs(signs, HADAMARD)
+    check_signs(signs, HADAMARD)
     check_quantizable(x, HADAMARD, what="quantize_ms_eden")
     values, corrected_scale = eden_groups(rht(x, signs))
     tensor_scale = tensor_scale_for(corrected_scale.max(), EDEN_FP8_MAX)

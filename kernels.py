@@ -1,74 +1,76 @@
 """
-Fast versions: Triton kernels that compute exactly what quantize.py and eden.py compute, and the NVFP4 GEMM.
+Fast versions: Triton kernels that compute exactly what quantize.py and eden.py compute, the operators through
+which torch.compile sees them, and the NVFP4 GEMM.
 
 Why kernels at all. On a Blackwell GPU the three GEMMs of a linear layer run natively in NVFP4. On Hopper (H100/H200)
 and older there are no FP4 tensor cores: the GEMMs run in BF16 on the dequantized operands ("emulated" NVFP4, same
 numbers, BF16 speed), so everything Quartet II adds is the quantization itself. Quantizing is memory-bound (a few
-operations per byte), so the kernels are judged by how few bytes they move and how close they get to the copy
-bandwidth. Bytes per element: BF16 = 2, packed NVFP4 = 0.5 (codes) + 1/16 (E4M3 scales) = 0.5625.
+operations per byte), so a kernel is judged by how few bytes it moves and how close it gets to the copy bandwidth.
+Bytes per element: BF16 = 2, packed NVFP4 = 0.5 (codes) + 1/16 (E4M3 scales) = 0.5625.
 
-The kernels (each a Triton program over a tile; everything in between stays in registers):
-
-- _amax_kernel: the tensor's absolute maximum (optionally of the transposed, rotated tensor), one read (2 B/elt).
-  The maximum is reduced on the float's bit pattern as an integer, which orders non-negative floats correctly and
-  makes NaN win, so a NaN anywhere poisons the tensor scale.
-- _quantize_kernel: RTN or SR, 1x16 or 16x16, optional four-over-six, optional transposed read and 16/128-wide
-  Hadamard rotation. Reads x (2) and writes the packed codes and E4M3 scales (0.5625) plus, for the emulated GEMM,
-  code * group_scale in BF16 (2), which is exact (at most 6 significant bits). With the amax pass: ~6.6 B/elt.
-- _eden_kernel: RHT-128 + MS-EDEN, phase one, for a 128x128 tile read once: it can emit the tile rotated along its
-  rows (E for dX) and along its columns (E^T for dW) from that single read, or read a saved NVFP4 tensor and emit its
-  transpose (re-quantization of X and W for the backward: dequantize + transpose + rotate + MS-EDEN in one pass). The
-  rotation is a tensor-core dot with the +-1 Hadamard matrix, which the kernel generates in registers from the signs
-  (H[i, j] = (-1)^popcount(i & j)); its products are exact in BF16, and 1/sqrt(128) is applied in FP32. It
-  writes the packed codes and the corrected scales in FP32, and reduces the largest corrected scale: post hoc range
-  alignment (see eden.py), so no separate pass for the global maximum is needed.
-- _eden_finish_kernel: phase two, tiny: picks the tensor scale from that maximum, stochastically rounds every
-  corrected scale to E4M3, and writes code * group_scale in BF16 for the emulated GEMM. Per element of E (both
-  orientations): read 2, then per output 0.75 written + 0.75 read back + 2 written: ~9 B/elt.
-- _dequantize_kernel: codes * scales (* tensor scale) to BF16 or FP32.
+Every kernel works on tiles of TILE = 128 columns: one Hadamard chunk, eight 16-groups. Each kernel's docstring says
+what it reads and writes. Besides the packed codes and scales, the quantizers write code * group_scale (exact in
+BF16: at most 6 significant bits) for the emulated GEMM, which applies the FP32 tensor scales to its output.
 
 Exactness. Each kernel performs the reference's floating-point operations in the same order (IEEE division via
-div_rn, E2M1/E4M3 rounding with integer bit arithmetic that is exact on every backend, the four-over-six errors in
-FP64 so the choice does not depend on summation order), so codes and scales are bit-identical to the reference.
-Two exceptions. The rotation, at float32 round-off: the kernel sums +-x on tensor cores (whose FP32 accumulation
-order, and on GPUs alignment, is their own) and scales once; the reference multiplies by +-1/sqrt(128) and sums in
-another order. That moves a value across a rounding boundary for a few elements in 10^4 at most (the tests bound
-it). And the random bits (Philox from tl.rand here, torch's generator in the reference), so random
-outputs are compared by their statistics and by lying on the two neighbours the reference allows.
+div_rn, E2M1/E4M3 rounding with integer bit arithmetic, exact on every backend), so codes and scales are bit-identical
+to the reference. Two exceptions: a rotation sums its products on tensor cores, whose FP32 accumulation order is
+their own, so for FP32 input a value can land on the other side of a rounding boundary (a few in 10^4 at most; the
+tests bound it); and the random bits come from Philox here and from torch's generator there, so random outputs are
+compared by their statistics.
 
-The GEMM. nvfp4_mm(a, b) = a @ b^T for two NVFP4Tensors quantized along K. On sm_100+ it calls cuBLAS through
-torch.nn.functional.scaled_mm with the packed codes as float4_e2m1fn_x2 and the scales rearranged into cuBLAS's 128x4
-blocked layout (blocked_scales). Elsewhere it multiplies the BF16 code * group_scale operands and applies the product
-of the two FP32 tensor scales where it is cheapest: to the smaller input operand (a weight) or to the output. That
-costs one BF16 rounding the native GEMM does not have; the operands themselves are exact.
+Operators. quantize, ms_eden_pair and requantize_ms_eden, what model.py calls, are PyTorch custom operators
+(torch.library): plain tensors in and out (codes, group scales, tensor scale, code * group_scale), the kernels on
+CUDA and the references of quantize.py and eden.py elsewhere, and a shape-only "fake" version with which
+torch.compile traces a whole model through them without a graph break. They take their randomness as tensors drawn
+on the device (the rotation's signs and a Philox seed), so a compiled step can be captured in a CUDA graph whose every
+replay draws fresh randomness, and torch.manual_seed still makes a run reproducible. The Python functions around
+them pack the tensors into the readable NVFP4Tensor.
 
-Dispatch. quantize, ms_eden_pair, requantize_ms_eden, dequantize and nvfp4_mm are what model.py calls: on a
-CUDA tensor they run the kernels, on a CPU tensor the references in quantize.py and eden.py. The triton_* functions
-run the kernels on any device (on a CPU under TRITON_INTERPRET=1, which is how the tests check them without a GPU).
+The GEMM. nvfp4_mm(a, b) = a @ b^T for two NVFP4Tensors quantized along K: cuBLAS NVFP4 on sm_100+ through
+torch.nn.functional.scaled_mm (scales rearranged into cuBLAS's 128x4 blocked layout), the BF16 emulation elsewhere.
 """
 
 import math
 import os
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+from torch import Tensor
 
-from eden import EDEN_FP4_MAX, EDEN_FP8_MAX, HADAMARD, quantize_ms_eden, rht
-from quantize import E2M1_MAX, E4M3_MAX, GROUP, NVFP4Tensor, quantize_nvfp4
+from eden import EDEN_FP4_MAX, EDEN_FP8_MAX, HADAMARD, ROTATION_LIMIT, quantize_ms_eden, rht
+from quantize import (E2M1_MAX, GROUP, MIN_NORMAL, MIN_TENSOR_SCALE, NVFP4Tensor, check_quantizer, default_fp8_max,
+                      quantize_nvfp4)
 
 # The Triton interpreter (CPU) gets BF16 dots wrong; there the rotation runs in FP32, exact for BF16 values.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-TILE = 128  # columns per program, and rows and columns of an MS-EDEN tile
-QUANTIZE_ROWS = 32  # rows per program of the RTN/SR quantizer (and of the rotated amax)
-QUANTIZE_WARPS = 8
-EDEN_WARPS = 16  # warps per 128x128 MS-EDEN tile (fewer registers per thread than 8)
-FINISH_GROUPS = 256  # groups per program of the MS-EDEN second phase
-AMAX_BLOCK = 4096  # elements per program of the plain amax pass
-# constants the kernels read (Triton kernels may only read globals marked constexpr)
+TILE = HADAMARD  # columns per program: one Hadamard chunk, 8 groups of 16
+QUANTIZE_ROWS, QUANTIZE_WARPS = 32, 8  # rows per program of the RTN/SR quantizer; measured best (NOTES.md)
+EDEN_WARPS = 16  # warps per 128x128 MS-EDEN tile: fewer registers per thread than 8, no spills (NOTES.md)
+FINISH_GROUPS = 256  # 16-groups per program of MS-EDEN's second phase
+AMAX_BLOCK = 4096  # elements per program of the absolute-maximum pass
+DEQUANTIZE_ROWS = 16
+KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# Constants the kernels read (a Triton kernel reads only globals marked constexpr).
+_TILE = tl.constexpr(TILE)
 _EDEN_FP4_MAX = tl.constexpr(EDEN_FP4_MAX)
+_EDEN_INV_FP4_MAX = tl.constexpr(1 / EDEN_FP4_MAX)
 _EDEN_FP8_MAX = tl.constexpr(EDEN_FP8_MAX)
-_INV_SQRT_128 = tl.constexpr(1 / math.sqrt(128))
+_MIN_NORMAL = tl.constexpr(MIN_NORMAL)
+_MIN_TENSOR_SCALE = tl.constexpr(MIN_TENSOR_SCALE)
+_ROTATION_LIMIT = tl.constexpr(ROTATION_LIMIT)
+# float32 bit fields: value = 2^(exponent - 127) * 1.mantissa, the exponent in bits 23-30
+_FP32_BIAS = tl.constexpr(127)
+_E4M3_BIAS = tl.constexpr(7)
+_E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
+_E4M3_SUBNORMAL_STEP = tl.constexpr(2.0**-9)
+_E4M3_NAN = tl.constexpr(0x7F)
+_E2M1_CODE_OF_ONE = tl.constexpr(2)  # codes 2..7 are 1, 1.5, 2, 3, 4, 6: two per binade
+_TWO_TO_22 = tl.constexpr(2.0**22)
+_TWO_TO_22_BITS = tl.constexpr((_FP32_BIAS + 22) << 23)
 
 # -----------------------------------------------------------------------------
 # Device helpers: small floats by bit arithmetic
@@ -77,7 +79,7 @@ _INV_SQRT_128 = tl.constexpr(1 / math.sqrt(128))
 @triton.jit
 def _power_of_two(exponent):
     """float32 2^exponent for an int32 exponent in [-126, 127], built from its bits."""
-    return ((exponent + 127) << 23).to(tl.float32, bitcast=True)
+    return ((exponent + _FP32_BIAS) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -86,7 +88,7 @@ def _round_to_grid(x, noise, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr,
     """|x| rounded to the grid of a small float (as quantize._round_to_grid): nearest-even, or up with probability
     equal to the distance from the lower neighbour when STOCHASTIC (noise ~ U[0,1)). Returns the magnitude."""
     magnitude = tl.minimum(tl.abs(x), MAX)
-    exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exponent = ((magnitude.to(tl.int32, bitcast=True) >> 23) & 0xFF) - _FP32_BIAS
     step_exponent = tl.maximum(exponent, MIN_EXPONENT) - MANTISSA
     if STOCHASTIC:
         steps = magnitude * _power_of_two(-step_exponent)  # exact: a power of two
@@ -100,10 +102,54 @@ def _round_to_grid(x, noise, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr,
 
 
 @triton.jit
+def _e2m1_round(x, noise, STOCHASTIC: tl.constexpr):
+    """|x| rounded to E2M1 {0, 0.5, ..., 6} (1 mantissa bit, smallest exponent 0), saturating at 6."""
+    return _round_to_grid(x, noise, 1, 0, 6.0, STOCHASTIC)
+
+
+@triton.jit
+def _e4m3_round(x):
+    """x >= 0 rounded to the nearest E4M3 value (3 mantissa bits, smallest exponent -6), saturating at 448."""
+    return _round_to_grid(x, x, 3, -6, 448.0, False)
+
+
+@triton.jit
+def _e4m3_stochastic_round(x, noise):
+    return _round_to_grid(x, noise, 3, -6, 448.0, True)
+
+
+@triton.jit
+def _e2m1_nearest(magnitude):
+    """For magnitude >= 0: (its E2M1 rounding, to nearest with ties to even and saturating at 6, and that value's
+    3-bit code), by integer arithmetic on the float's bits (exact for every float32, tests/test_kernels.py).
+    From 1 up, adding 2^21 - 1 plus the lowest kept bit to the bits and cutting all but 1 mantissa bit rounds to
+    nearest-even, a carry moving into the exponent; then bits >> 22 is 254 for 1.0, 255 for 1.5, 256 for 2.0 ...
+    Below 1 the grid step is 0.5, the unit in the last place of 2^22: adding 2^22 rounds there, and the bits
+    above 2^22's count halves."""
+    magnitude = tl.minimum(magnitude, 6.0)
+    bits = magnitude.to(tl.int32, bitcast=True)
+    normal = (bits + ((1 << 21) - 1) + ((bits >> 22) & 1)) & ~((1 << 22) - 1)
+    shifted = magnitude + _TWO_TO_22
+    is_normal = magnitude >= 1.0
+    rounded = tl.where(is_normal, normal.to(tl.float32, bitcast=True), shifted - _TWO_TO_22)
+    code = tl.where(is_normal, (normal >> 22) - ((_FP32_BIAS << 1) - _E2M1_CODE_OF_ONE),
+                    shifted.to(tl.int32, bitcast=True) - _TWO_TO_22_BITS)
+    return rounded, code
+
+
+@triton.jit
+def _with_sign_of(magnitude, x):
+    """magnitude with the sign bit of x (-0.0 keeps its sign, as torch.copysign does)."""
+    return tl.where(x.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude)
+
+
+@triton.jit
 def _e2m1_code(magnitude, x):
     """4-bit code of an E2M1 grid magnitude, with the sign bit of x (as quantize.encode_e2m1)."""
     bits = magnitude.to(tl.int32, bitcast=True)
-    code = tl.where(magnitude >= 1.0, (bits >> 22) - 252, (magnitude * 2.0).to(tl.int32))  # 1.0 -> 2 ... 6.0 -> 7
+    # From 1.0 up, bits >> 22 is (biased exponent, top mantissa bit): 1.0 -> 254, 1.5 -> 255, 2.0 -> 256, ...
+    normal = (bits >> 22) - ((_FP32_BIAS << 1) - _E2M1_CODE_OF_ONE)
+    code = tl.where(magnitude >= 1.0, normal, (magnitude * 2.0).to(tl.int32))  # 0 -> 0, 0.5 -> 1
     sign = (x.to(tl.int32, bitcast=True) >> 28) & 8
     return code | sign
 
@@ -112,7 +158,8 @@ def _e2m1_code(magnitude, x):
 def _e2m1_value(code):
     """float32 value of a 4-bit code."""
     magnitude_code = code & 7
-    normal = ((((magnitude_code >> 1) + 126) << 23) | ((magnitude_code & 1) << 22)).to(tl.float32, bitcast=True)
+    exponent = (magnitude_code >> 1) + _FP32_BIAS - 1  # codes 2, 3 -> 2^0; 4, 5 -> 2^1; 6, 7 -> 2^2
+    normal = ((exponent << 23) | ((magnitude_code & 1) << 22)).to(tl.float32, bitcast=True)
     magnitude = tl.where(magnitude_code >= 2, normal, magnitude_code.to(tl.float32) * 0.5)
     return tl.where((code & 8) != 0, -magnitude, magnitude)
 
@@ -121,10 +168,10 @@ def _e2m1_value(code):
 def _e4m3_bits(value):
     """uint8 bits of a non-negative float32 that lies on the E4M3 grid (NaN -> 0x7F)."""
     bits = value.to(tl.int32, bitcast=True)
-    normal = ((((bits >> 23) & 0xFF) - 120) << 3) | ((bits >> 20) & 7)
-    subnormal = (value * 512.0).to(tl.int32)  # multiples of 2^-9
-    code = tl.where(value >= 0.015625, normal, subnormal)
-    return tl.where(value != value, 0x7F, code).to(tl.uint8)
+    normal = ((((bits >> 23) & 0xFF) - (_FP32_BIAS - _E4M3_BIAS)) << 3) | ((bits >> 20) & 7)
+    subnormal = (value * (1 / _E4M3_SUBNORMAL_STEP)).to(tl.int32)  # multiples of 2^-9
+    code = tl.where(value >= _E4M3_MIN_NORMAL, normal, subnormal)
+    return tl.where(value != value, _E4M3_NAN, code).to(tl.uint8)
 
 
 @triton.jit
@@ -133,16 +180,24 @@ def _e4m3_value(bits):
     bits = bits.to(tl.int32)
     exponent = (bits >> 3) & 15
     mantissa = bits & 7
-    normal = (((exponent + 120) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
-    value = tl.where(exponent > 0, normal, mantissa.to(tl.float32) * 0.001953125)
-    return tl.where((bits & 0x7F) == 0x7F, float("nan"), value)
+    normal = (((exponent + (_FP32_BIAS - _E4M3_BIAS)) << 23) | (mantissa << 20)).to(tl.float32, bitcast=True)
+    value = tl.where(exponent > 0, normal, mantissa.to(tl.float32) * _E4M3_SUBNORMAL_STEP)
+    return tl.where((bits & 0x7F) == _E4M3_NAN, float("nan"), value)
+
+
+@triton.jit
+def _abs_bits(x):
+    """|x| as int32 bits: for non-negative floats integer order is float order, and NaN > Inf > every finite value,
+    so an atomic integer maximum over them lets a NaN anywhere win."""
+    return x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
 
 
 @triton.jit
 def _tensor_scale(amax_ptr, limit):
-    """As quantize.tensor_scale_for: amax / limit, 1 if amax is 0, NaN if amax is not finite."""
+    """As quantize.tensor_scale_for: amax / limit; 1 below MIN_TENSOR_SCALE; NaN if amax is not finite."""
     amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
-    scale = tl.where(amax == 0, 1.0, tl.math.div_rn(amax, limit))
+    scale = tl.math.div_rn(amax, limit)
+    scale = tl.where(scale < _MIN_TENSOR_SCALE, 1.0, scale)
     return tl.where(amax < float("inf"), scale, float("nan"))
 
 
@@ -161,58 +216,93 @@ def _unpack(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _rotate(tile, signs_ptr, N: tl.constexpr, DOT_FP32: tl.constexpr):
-    """tile [rows, 128] times diag(s) * H_pm1 for each N-chunk (N = 16 or 128), accumulated in FP32. The +-1
-    Hadamard matrix is generated in registers: H[i, j] = (-1)^popcount(i & j) (Sylvester), zero off the diagonal
-    blocks when N < 128."""
-    i = tl.arange(0, 128)[:, None]
-    j = tl.arange(0, 128)[None, :]
-    bits = i & j & (N - 1)
-    bits = bits ^ (bits >> 4)
-    bits = bits ^ (bits >> 2)
-    bits = bits ^ (bits >> 1)  # bit 0 is now the parity of i & j
-    signs = tl.load(signs_ptr + tl.arange(0, 128) % N)[:, None]
-    rotation = tl.where((i // N) == (j // N), (1 - 2 * (bits & 1)).to(tl.float32) * signs, 0.0)
-    if DOT_FP32:  # FP32 inputs: exact products, no TF32 truncation
-        return tl.dot(tile.to(tl.float32), rotation, input_precision="ieee")
-    return tl.dot(tile.to(tl.bfloat16), rotation.to(tl.bfloat16))
-
-
-@triton.jit
-def _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr):
+def _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS: tl.constexpr, COLS: tl.constexpr,
+               TRANSPOSE: tl.constexpr):
+    """The [ROWS, COLS] tile at (row0, col0) of x, or of x^T with TRANSPOSE (read through swapped strides: measured
+    as fast as reading x's tile and transposing it in registers, NOTES.md)."""
+    if TRANSPOSE:
+        stride_r, stride_c = stride_c, stride_r
     rows = row0 + tl.arange(0, ROWS)
     cols = col0 + tl.arange(0, COLS)
     return tl.load(x_ptr + rows[:, None] * stride_r + cols[None, :] * stride_c)
 
 
 @triton.jit
+def _store_codes(codes_ptr, packed, row0, col0, width, ROWS: tl.constexpr):
+    """Packed codes [ROWS, TILE/2] of the tile at (row0, col0) of an output [*, width]."""
+    rows = row0 + tl.arange(0, ROWS)
+    half = col0 // 2 + tl.arange(0, _TILE // 2)
+    tl.store(codes_ptr + rows[:, None] * (width // 2) + half[None, :], packed)
+
+
+@triton.jit
+def _rotation_matrix(signs_ptr, N: tl.constexpr):
+    """diag(s) * H for each N-chunk (N a power of two up to 128) as a [128, 128] matrix of +-1 (block-diagonal when
+    N < 128), generated in registers: H[i, j] = (-1)^popcount(i & j) (Sylvester). Only the sign bit of each entry of
+    signs is used."""
+    i = tl.arange(0, _TILE)[:, None]
+    j = tl.arange(0, _TILE)[None, :]
+    bits = i & j & (N - 1)
+    bits = bits ^ (bits >> 4)
+    bits = bits ^ (bits >> 2)
+    bits = bits ^ (bits >> 1)  # bit 0 is now the parity of the 7 bits of i & j
+    signs = tl.where(tl.load(signs_ptr + tl.arange(0, _TILE) % N) < 0, -1.0, 1.0)[:, None]
+    return tl.where((i // N) == (j // N), (1 - 2 * (bits & 1)).to(tl.float32) * signs, 0.0)
+
+
+@triton.jit
+def _saturate(tile):
+    """Finite values beyond +-ROTATION_LIMIT saturate there (as eden.rht), so that a rotation cannot overflow. The
+    elementwise work runs only for a tile that holds such a value (or Inf or NaN, which stay): almost never."""
+    if tl.max(tl.max(tl.abs(tile), axis=1), axis=0) > _ROTATION_LIMIT:
+        saturated = tl.minimum(tl.maximum(tile, -_ROTATION_LIMIT), _ROTATION_LIMIT)
+        tile = tl.where((tl.abs(tile) == float("inf")) | (tile != tile), tile, saturated).to(tile.dtype)
+    return tile
+
+
+@triton.jit
+def _rotate(tile, rotation, N: tl.constexpr, DOT_FP32: tl.constexpr):
+    """rht(tile) for tile [rows, 128] (saturated) and rotation = _rotation_matrix(signs, N): the sum of +-x runs on
+    tensor cores in FP32 (exact products), then one multiplication by 1/sqrt(N), as eden.rht computes it."""
+    if DOT_FP32:  # FP32 operands: no TF32 truncation
+        rotated = tl.dot(tile.to(tl.float32), rotation, input_precision="ieee")
+    else:  # BF16 input: exact in BF16
+        rotated = tl.dot(tile.to(tl.bfloat16), rotation.to(tl.bfloat16))
+    return rotated * (1 / math.sqrt(N))
+
+
+@triton.jit
 def _uniform_noise(seed, first, COUNT: tl.constexpr):
-    """COUNT uniform floats in [0, 1) for counters first ... first + COUNT - 1: Philox makes four 32-bit numbers
-    per call, all of them used (tl.rand would use one)."""
+    """COUNT uniform floats in [0, 1) for Philox counters first ... first + COUNT - 1. Philox makes four 32-bit
+    numbers per call; all four are used (tl.rand would use one)."""
     a, b, c, d = tl.randint4x(seed, first // 4 + tl.arange(0, COUNT // 4))
     bits = tl.reshape(tl.join(tl.join(a, b), tl.join(c, d)), (COUNT,))
     return tl.random.uint_to_uniform_float(bits)
 
 
 # -----------------------------------------------------------------------------
-# The absolute maximum
+# The absolute maximum (the tensor scale's input)
 
 
 @triton.jit
 def _amax_kernel(x_ptr, amax_ptr, numel, BLOCK: tl.constexpr):
+    """amax_ptr (int32 [1], zeroed) <- bits of max |x| over a contiguous x. Reads 2 B/element (BF16)."""
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0).to(tl.float32)
-    bits = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF  # |x|; as integers, NaN > Inf > every finite value
-    tl.atomic_max(amax_ptr, tl.max(bits, axis=0))
+    x = tl.load(x_ptr + offsets, mask=offsets < numel, other=0.0)
+    tl.atomic_max(amax_ptr, tl.max(_abs_bits(x), axis=0))
 
 
 @triton.jit
-def _rotated_amax_kernel(x_ptr, stride_r, stride_c, signs_ptr, amax_ptr, ROWS: tl.constexpr, N: tl.constexpr,
-                         SCALE: tl.constexpr, DOT_FP32: tl.constexpr):
-    tile = _load_tile(x_ptr, stride_r, stride_c, tl.program_id(0) * ROWS, tl.program_id(1) * 128, ROWS, 128)
-    rotated = _rotate(tile, signs_ptr, N, DOT_FP32) * SCALE
-    bits = rotated.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tl.atomic_max(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
+def _rotated_amax_kernel(
+        x_ptr, stride_r, stride_c,  # input x (its strides), read transposed when TRANSPOSE
+        signs_ptr,  # float32 [N]: the rotation's signs
+        amax_ptr,  # output: int32 [1], zeroed
+        ROWS: tl.constexpr, N: tl.constexpr, TRANSPOSE: tl.constexpr, DOT_FP32: tl.constexpr):
+    """amax_ptr <- bits of max |rht(x or x^T)| over one [ROWS, 128] tile per program."""
+    tile = _load_tile(x_ptr, stride_r, stride_c, tl.program_id(0) * ROWS, tl.program_id(1) * _TILE, ROWS, _TILE,
+                      TRANSPOSE)
+    rotated = _rotate(_saturate(tile), _rotation_matrix(signs_ptr, N), N, DOT_FP32)
+    tl.atomic_max(amax_ptr, tl.max(tl.max(_abs_bits(rotated), axis=1), axis=0))
 
 
 # -----------------------------------------------------------------------------
@@ -222,14 +312,13 @@ def _rotated_amax_kernel(x_ptr, stride_r, stride_c, signs_ptr, amax_ptr, ROWS: t
 @triton.jit
 def _quantize_branch(groups, group_amax, fp4_max, tensor_scale, noise, STOCHASTIC: tl.constexpr,
                      TILE16: tl.constexpr):
-    """One quantization of [R/16, 16, 8, 16] groups (as quantize._quantize_groups): E2M1 magnitudes, E4M3 scales,
-    and the squared error per group in FP64."""
-    target = tl.math.div_rn(tl.math.div_rn(group_amax, fp4_max), tensor_scale)
-    scale = _round_to_grid(target, target, 3, -6, 448.0, False)
+    """One quantization of groups [ROWS/16, 16, 8, 16] (as quantize._quantize_groups): E2M1 magnitudes, E4M3 scales
+    [.., 1] and the squared error per group in FP64 (so that four-over-six's choice does not depend on the order of
+    the sum)."""
+    scale = _e4m3_round(tl.math.div_rn(tl.math.div_rn(group_amax, fp4_max), tensor_scale))
     scale = tl.where(scale == 0, 1.0, scale)
-    inverse = tl.math.div_rn(1.0, scale * tensor_scale)
-    magnitude = _round_to_grid(groups * inverse, noise, 1, 0, 6.0, STOCHASTIC)
-    value = tl.where(groups.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude)
+    magnitude = _e2m1_round(groups * tl.math.div_rn(1.0, scale * tensor_scale), noise, STOCHASTIC)
+    value = _with_sign_of(magnitude, groups)
     difference = groups.to(tl.float64) - value.to(tl.float64) * scale.to(tl.float64) * tensor_scale.to(tl.float64)
     error = tl.sum(difference * difference, axis=3, keep_dims=True)
     if TILE16:
@@ -238,148 +327,173 @@ def _quantize_branch(groups, group_amax, fp4_max, tensor_scale, noise, STOCHASTI
 
 
 @triton.jit
-def _quantize_kernel(x_ptr, stride_r, stride_c, signs_ptr, amax_ptr, seed,
-                     codes_ptr, scales_ptr, scaled_ptr, tensor_scale_ptr,
-                     C, fp4_max, fp4_max_46, limit,
-                     ROWS: tl.constexpr, ROTATE: tl.constexpr, N: tl.constexpr, SCALE: tl.constexpr,
-                     STOCHASTIC: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, TILE16: tl.constexpr,
-                     WRITE_SCALED: tl.constexpr, DOT_FP32: tl.constexpr):
+def _quantize_kernel(
+        x_ptr, stride_r, stride_c,  # input x (its strides), read transposed when TRANSPOSE
+        signs_ptr,  # float32 [ROTATION]: the rotation's signs (None without rotation)
+        amax_ptr,  # int32 [1]: bits of the absolute maximum of what is quantized, from an amax kernel
+        seed_ptr,  # int64 [1]: Philox seed (None unless STOCHASTIC)
+        codes_ptr, scales_ptr, scaled_ptr, tensor_scale_ptr,  # outputs; scaled_ptr None: not written
+        C, fp4_max, fp8_max,  # columns of the quantized tensor; the quantizer's constants
+        ROWS: tl.constexpr, TRANSPOSE: tl.constexpr, ROTATION: tl.constexpr,  # ROTATION: chunk width, 0 for none
+        STOCHASTIC: tl.constexpr, FOUR_OVER_SIX: tl.constexpr, TILE16: tl.constexpr, DOT_FP32: tl.constexpr):
+    """RTN or SR quantization (as quantize.quantize_nvfp4) of one [ROWS, 128] tile per program of x, x^T, or their
+    rotation. Reads the tile (2 B/element) and writes packed codes and E4M3 scales (0.5625) and code * group_scale
+    (2, for the emulated GEMM); with the amax pass, ~6.6 B/element."""
     row0 = tl.program_id(0) * ROWS
-    col0 = tl.program_id(1) * 128
-    tile = _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS, 128).to(tl.float32)  # [ROWS, 128]
-    if ROTATE:
-        tile = _rotate(tile, signs_ptr, N, DOT_FP32) * SCALE  # 1/sqrt(N)
-    groups = tl.reshape(tile, (ROWS // 16, 16, 8, 16))  # [row tiles, row in tile, group, element]
+    col0 = tl.program_id(1) * _TILE
+    tile = _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS, _TILE, TRANSPOSE).to(tl.float32)
+    if ROTATION > 0:
+        tile = _rotate(_saturate(tile), _rotation_matrix(signs_ptr, ROTATION), ROTATION, DOT_FP32)
+    groups = tl.reshape(tile, (ROWS // 16, 16, 8, 16))  # [16-row tiles, row in tile, group, element]
     group_amax = tl.max(tl.abs(groups), axis=3, keep_dims=True)
     if TILE16:
         group_amax = tl.max(group_amax, axis=1, keep_dims=True)
-    tensor_scale = _tensor_scale(amax_ptr, limit)
+    tensor_scale = _tensor_scale(amax_ptr, fp8_max * fp4_max)
 
-    noise = groups  # unused unless STOCHASTIC
+    noise = groups  # placeholders, read only when STOCHASTIC
+    noise4 = groups
     if STOCHASTIC:
-        first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (ROWS * 128)  # this tile's counters
-        noise = tl.reshape(_uniform_noise(seed, first, ROWS * 128), (ROWS // 16, 16, 8, 16))
+        seed = tl.load(seed_ptr)
+        first = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * (ROWS * _TILE)  # this tile's counters
+        noise = tl.reshape(_uniform_noise(seed, first, ROWS * _TILE), (ROWS // 16, 16, 8, 16))
+        if FOUR_OVER_SIX:  # the second branch draws from counters past the whole tensor's
+            numel = tl.num_programs(0) * tl.num_programs(1) * (ROWS * _TILE)
+            noise4 = tl.reshape(_uniform_noise(seed, numel + first, ROWS * _TILE), (ROWS // 16, 16, 8, 16))
     magnitude, scale, error = _quantize_branch(groups, group_amax, fp4_max, tensor_scale, noise, STOCHASTIC, TILE16)
     if FOUR_OVER_SIX:
-        magnitude4, scale4, error4 = _quantize_branch(groups, group_amax, fp4_max_46, tensor_scale, noise,
+        magnitude4, scale4, error4 = _quantize_branch(groups, group_amax, fp4_max * 4 / 6, tensor_scale, noise4,
                                                       STOCHASTIC, TILE16)
         magnitude = tl.where(error4 < error, magnitude4, magnitude)  # a tie keeps the 6-branch
         scale = tl.where(error4 < error, scale4, scale)
 
-    codes = tl.reshape(_e2m1_code(magnitude, groups), (ROWS, 128))
-    half = col0 // 2 + tl.arange(0, 64)
-    rows = row0 + tl.arange(0, ROWS)
-    tl.store(codes_ptr + rows[:, None] * (C // 2) + half[None, :], _pack(codes, ROWS, 128))
+    codes = tl.reshape(_e2m1_code(magnitude, groups), (ROWS, _TILE))
+    _store_codes(codes_ptr, _pack(codes, ROWS, _TILE), row0, col0, C, ROWS)
     groups_out = col0 // 16 + tl.arange(0, 8)
     if TILE16:
         tiles = row0 // 16 + tl.arange(0, ROWS // 16)
         tl.store(scales_ptr + tiles[:, None] * (C // 16) + groups_out[None, :],
                  _e4m3_bits(tl.reshape(scale, (ROWS // 16, 8))))
     else:
-        tl.store(scales_ptr + rows[:, None] * (C // 16) + groups_out[None, :],
-                 _e4m3_bits(tl.reshape(scale, (ROWS, 8))))
-    if WRITE_SCALED:
-        value = tl.where(groups.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude) * scale
-        cols = col0 + tl.arange(0, 128)
-        tl.store(scaled_ptr + rows[:, None] * C + cols[None, :], tl.reshape(value, (ROWS, 128)).to(tl.bfloat16))
+        rows = row0 + tl.arange(0, ROWS)
+        tl.store(scales_ptr + rows[:, None] * (C // 16) + groups_out[None, :], _e4m3_bits(tl.reshape(scale, (ROWS, 8))))
+    if scaled_ptr is not None:
+        rows = row0 + tl.arange(0, ROWS)
+        cols = col0 + tl.arange(0, _TILE)
+        value = tl.reshape(_with_sign_of(magnitude, groups) * scale, (ROWS, _TILE))
+        tl.store(scaled_ptr + rows[:, None] * C + cols[None, :], value.to(scaled_ptr.dtype.element_ty))
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(tensor_scale_ptr, tensor_scale)
 
 
 # -----------------------------------------------------------------------------
-# MS-EDEN: phase one (rotate, codes, corrected scales, their maximum) and phase two (tensor scale, SR of scales)
+# MS-EDEN: phase one (rotate, codes, corrected scales, their maximum), phase two (tensor scale, SR of the scales)
 
 
 @triton.jit
-def _eden_groups(rotated, ROWS: tl.constexpr):
-    """As eden.eden_groups on [ROWS, 128] rotated values: 4-bit codes [ROWS, 128], corrected scales [ROWS, 8]."""
-    groups = tl.reshape(rotated, (ROWS, 8, 16))
-    scale = tl.math.div_rn(tl.max(tl.abs(groups), axis=2, keep_dims=True), _EDEN_FP4_MAX)
-    scaled = groups * tl.math.div_rn(1.0, tl.where(scale == 0, 1.0, scale))
-    magnitude = _round_to_grid(scaled, scaled, 1, 0, 6.0, False)
-    value = tl.where(scaled.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude)
+def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, width):
+    """MS-EDEN phase one of a rotated [128, 128] tile (as eden.eden_groups) at (row0, col0) of an output [*, width]:
+    stores the packed codes and the corrected scales (times tensor_scale); returns each row's largest corrected
+    scale as int32 bits. Splitting the dot's result into 16-groups is free (a reshape of its register layout), so
+    the group reductions are in-thread sums and shuffles."""
+    groups = tl.reshape(rotated, (_TILE, 8, 16))
+    largest = tl.max(tl.abs(groups), axis=2, keep_dims=True)
+    scale = largest * _EDEN_INV_FP4_MAX
+    flushed = scale < _MIN_NORMAL  # a group this small becomes zeros
+    scale = tl.where(flushed, 0.0, scale)
+    scaled = groups * tl.where(flushed, 1.0, tl.math.div_rn(_EDEN_FP4_MAX, largest))  # |scaled| <= 6.07
+    magnitude, code = _e2m1_nearest(tl.abs(scaled))
     norm = tl.sum(scaled * scaled, axis=2, keep_dims=True)
-    overlap = tl.sum(scaled * value, axis=2, keep_dims=True)
-    correction = tl.where(overlap > 0, tl.math.div_rn(norm, overlap), 1.0)
-    codes = tl.reshape(_e2m1_code(magnitude, scaled), (ROWS, 128))
-    return codes, tl.reshape(scale * correction, (ROWS, 8))
+    overlap = tl.sum(tl.abs(scaled) * magnitude, axis=2, keep_dims=True)  # = <scaled, its rounding>: same signs
+    corrected = tl.reshape(scale * tl.where(overlap > 0, tl.math.div_rn(norm, overlap), 1.0), (_TILE, 8))
+    corrected = corrected * tensor_scale
+    codes = tl.reshape(code | ((scaled.to(tl.int32, bitcast=True) >> 28) & 8), (_TILE, _TILE))
+    _store_codes(codes_ptr, _pack(codes, _TILE, _TILE), row0, col0, width, _TILE)
+    rows = row0 + tl.arange(0, _TILE)
+    tl.store(corrected_ptr + rows[:, None] * (width // 16) + (col0 // 16 + tl.arange(0, 8))[None, :], corrected)
+    return tl.max(_abs_bits(corrected), axis=1)
 
 
 @triton.jit
-def _eden_store(rotated, codes_ptr, corrected_ptr, amax_ptr, row0, col0, width):
-    """Phase-one outputs of a rotated [128, 128] tile at (row0, col0) of an output [*, width]."""
-    codes, corrected = _eden_groups(rotated, 128)
-    rows = row0 + tl.arange(0, 128)
-    half = col0 // 2 + tl.arange(0, 64)
-    tl.store(codes_ptr + rows[:, None] * (width // 2) + half[None, :], _pack(codes, 128, 128))
-    groups = col0 // 16 + tl.arange(0, 8)
-    tl.store(corrected_ptr + rows[:, None] * (width // 16) + groups[None, :], corrected)
-    bits = corrected.to(tl.int32, bitcast=True)  # non-negative (or NaN): integer order is float order
-    tl.atomic_max(amax_ptr, tl.max(tl.max(bits, axis=1), axis=0))
-
-
-@triton.jit
-def _eden_kernel(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, in_tensor_scale_ptr, signs_ptr,
-                 row_codes_ptr, row_corrected_ptr, row_amax_ptr, col_codes_ptr, col_corrected_ptr, col_amax_ptr,
-                 R, C, FROM_NVFP4: tl.constexpr, ROWS_OUT: tl.constexpr, COLS_OUT: tl.constexpr,
-                 DOT_FP32: tl.constexpr):
-    """One 128x128 tile of an [R, C] input (BF16/FP32, or NVFP4 along C): MS-EDEN phase one of the tile rotated along
-    C (output [R, C]) and/or of its transpose rotated along R (output [C, R])."""
-    row0 = tl.program_id(0) * 128
-    col0 = tl.program_id(1) * 128
-    scale = _INV_SQRT_128
-    if FROM_NVFP4:  # code * group scale is exact in BF16; the tensor scale joins the 1/sqrt(128) in FP32
-        rows = row0 + tl.arange(0, 128)
-        packed = tl.load(in_codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, 64))[None, :])
-        group_scale = _e4m3_value(tl.load(in_scales_ptr + rows[:, None] * (C // 16)
-                                          + (col0 // 16 + tl.arange(0, 8))[None, :]))
-        values = tl.reshape(_e2m1_value(_unpack(packed, 128, 128)), (128, 8, 16)) * group_scale[:, :, None]
-        tile = tl.reshape(values, (128, 128))
-        scale = scale * tl.load(in_tensor_scale_ptr)
-    else:
-        tile = _load_tile(x_ptr, stride_r, stride_c, row0, col0, 128, 128)
-    if ROWS_OUT:
-        rotated = _rotate(tile, signs_ptr, 128, DOT_FP32) * scale
-        _eden_store(rotated, row_codes_ptr, row_corrected_ptr, row_amax_ptr, row0, col0, C)
-    if COLS_OUT:
-        rotated = _rotate(tl.trans(tile), signs_ptr, 128, DOT_FP32) * scale
-        _eden_store(rotated, col_codes_ptr, col_corrected_ptr, col_amax_ptr, col0, row0, R)
+def _eden_kernel(
+        x_ptr, stride_r, stride_c,  # input: x [R, C] (or None, when the input is the NVFP4 tensor below)
+        in_codes_ptr, in_scales_ptr, in_tensor_scale_ptr,  # input: a 1x16 NVFP4 tensor [R, C] (or None)
+        signs_ptr,  # float32 [128]: the rotation's signs
+        row_codes_ptr, row_corrected_ptr, row_amax_ptr,  # output [R, C], rotated along C (None: not computed)
+        col_codes_ptr, col_corrected_ptr, col_amax_ptr,  # output [C, R], the transpose rotated along R
+        R, C, TILES_PER_PROGRAM: tl.constexpr, DOT_FP32: tl.constexpr):
+    """MS-EDEN phase one (post hoc range alignment, eden.py) over 128x128 tiles, each read once: packed codes, FP32
+    corrected scales and (atomically) their maximum, for the tile rotated along its rows and/or for its transpose.
+    From an NVFP4 input this is the backward's re-quantization of the saved X and W: dequantize, transpose, rotate
+    and quantize in one pass (code * group scale is exact in BF16, and the tensor scale, which does not change the
+    codes, multiplies the corrected scales). Reads 2 B/element (0.5625 from NVFP4), writes 0.75 per output.
+    Persistent: each program builds the rotation once and takes every num_programs-th tile."""
+    rotation = _rotation_matrix(signs_ptr, _TILE)
+    tensor_scale = 1.0 if x_ptr is not None else tl.load(in_tensor_scale_ptr)
+    row_largest = tl.zeros((_TILE,), dtype=tl.int32)  # bits of the largest corrected scale of each tile row
+    col_largest = tl.zeros((_TILE,), dtype=tl.int32)
+    tile_cols = C // _TILE
+    for i in range(TILES_PER_PROGRAM):  # a constant trip count (Triton's CPU interpreter needs one)
+        tile = tl.program_id(0) + i * tl.num_programs(0)
+        if tile < (R // _TILE) * tile_cols:
+            row0 = (tile // tile_cols) * _TILE
+            col0 = (tile % tile_cols) * _TILE
+            if x_ptr is not None:
+                values = _saturate(_load_tile(x_ptr, stride_r, stride_c, row0, col0, _TILE, _TILE, False))
+            else:
+                rows = row0 + tl.arange(0, _TILE)
+                packed = tl.load(in_codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, _TILE // 2))[None, :])
+                group_scale = _e4m3_value(tl.load(in_scales_ptr + rows[:, None] * (C // 16)
+                                                  + (col0 // 16 + tl.arange(0, 8))[None, :]))
+                values = tl.reshape(tl.reshape(_e2m1_value(_unpack(packed, _TILE, _TILE)), (_TILE, 8, 16))
+                                    * group_scale[:, :, None], (_TILE, _TILE))
+            if row_codes_ptr is not None:
+                rotated = _rotate(values, rotation, _TILE, DOT_FP32)
+                row_largest = tl.maximum(row_largest, _eden_store(rotated, tensor_scale, row_codes_ptr,
+                                                                  row_corrected_ptr, row0, col0, C))
+            rotated = _rotate(tl.trans(values), rotation, _TILE, DOT_FP32)
+            col_largest = tl.maximum(col_largest, _eden_store(rotated, tensor_scale, col_codes_ptr, col_corrected_ptr,
+                                                              col0, row0, R))
+    if row_codes_ptr is not None:
+        tl.atomic_max(row_amax_ptr, tl.max(row_largest, axis=0))
+    tl.atomic_max(col_amax_ptr, tl.max(col_largest, axis=0))
 
 
 @triton.jit
 def _eden_finish(corrected_ptr, amax_ptr, codes_ptr, scales_ptr, scaled_ptr, tensor_scale_ptr, n_groups, block,
-                 seed, counter0, GROUPS: tl.constexpr, WRITE_SCALED: tl.constexpr):
+                 seed, counter0, GROUPS: tl.constexpr):
     """Phase two for GROUPS consecutive 16-groups of one tensor: tensor scale from the largest corrected scale,
-    E4M3 stochastic rounding of each corrected scale, and code * group_scale in BF16."""
+    E4M3 stochastic rounding of each corrected scale, and code * group_scale for the emulated GEMM."""
     group = block * GROUPS + tl.arange(0, GROUPS)
     valid = group < n_groups
     tensor_scale = _tensor_scale(amax_ptr, _EDEN_FP8_MAX)
     target = tl.math.div_rn(tl.load(corrected_ptr + group, mask=valid, other=0.0), tensor_scale)
-    noise = tl.rand(seed, counter0 + group)
-    scale = _round_to_grid(target, noise, 3, -6, 448.0, True)
+    scale = _e4m3_stochastic_round(target, tl.rand(seed, counter0 + group))
     tl.store(scales_ptr + group, _e4m3_bits(scale), mask=valid)
-    if WRITE_SCALED:
+    if scaled_ptr is not None:
         packed = tl.load(codes_ptr + group[:, None] * 8 + tl.arange(0, 8)[None, :], mask=valid[:, None], other=0)
         value = _e2m1_value(_unpack(packed, GROUPS, 16)) * scale[:, None]
         element = group[:, None] * 16 + tl.arange(0, 16)[None, :]
-        tl.store(scaled_ptr + element, value.to(tl.bfloat16), mask=valid[:, None])
+        tl.store(scaled_ptr + element, value.to(scaled_ptr.dtype.element_ty), mask=valid[:, None])
     if block == 0:
         tl.store(tensor_scale_ptr, tensor_scale)
 
 
 @triton.jit
-def _eden_finish_kernel(seed, corrected1, amax1, codes1, scales1, scaled1, tensor_scale1, n_groups1,
-                        corrected2, amax2, codes2, scales2, scaled2, tensor_scale2, n_groups2,
-                        GROUPS: tl.constexpr, WRITE_SCALED: tl.constexpr):
-    """Phase two for up to two tensors in one launch (one launch less per backward: launches cost host time)."""
+def _eden_finish_kernel(
+        seed_ptr,  # int64 [1]: Philox seed
+        corrected1, amax1, codes1, scales1, scaled1, tensor_scale1, n_groups1,  # first tensor
+        corrected2, amax2, codes2, scales2, scaled2, tensor_scale2, n_groups2,  # second (n_groups2 = 0: none)
+        GROUPS: tl.constexpr):
+    """MS-EDEN phase two for up to two tensors in one launch (E and E^T of one backward). Per element reads the
+    codes and FP32 scales (0.75 B) and writes E4M3 scales and code * group_scale (2.06 B)."""
+    seed = tl.load(seed_ptr)
     blocks1 = tl.cdiv(n_groups1, GROUPS)
     block = tl.program_id(0)
     if block < blocks1:
-        _eden_finish(corrected1, amax1, codes1, scales1, scaled1, tensor_scale1, n_groups1, block, seed, 0,
-                     GROUPS, WRITE_SCALED)
+        _eden_finish(corrected1, amax1, codes1, scales1, scaled1, tensor_scale1, n_groups1, block, seed, 0, GROUPS)
     else:
         _eden_finish(corrected2, amax2, codes2, scales2, scaled2, tensor_scale2, n_groups2, block - blocks1, seed,
-                     n_groups1, GROUPS, WRITE_SCALED)
+                     n_groups1, GROUPS)
 
 
 # -----------------------------------------------------------------------------
@@ -389,12 +503,13 @@ def _eden_finish_kernel(seed, corrected1, amax1, codes1, scales1, scaled1, tenso
 @triton.jit
 def _dequantize_kernel(codes_ptr, scales_ptr, tensor_scale_ptr, out_ptr, C, ROWS: tl.constexpr,
                        TILE16: tl.constexpr, TENSOR_SCALE: tl.constexpr):
+    """out [R, C] <- code * group_scale (* tensor_scale), one [ROWS, 128] tile per program."""
     row0 = tl.program_id(0) * ROWS
-    col0 = tl.program_id(1) * 128
+    col0 = tl.program_id(1) * _TILE
     rows = row0 + tl.arange(0, ROWS)
-    packed = tl.load(codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, 64))[None, :])
+    packed = tl.load(codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, _TILE // 2))[None, :])
     groups = col0 // 16 + tl.arange(0, 8)
-    values = tl.reshape(_e2m1_value(_unpack(packed, ROWS, 128)), (ROWS // 16, 16, 8, 16))
+    values = tl.reshape(_e2m1_value(_unpack(packed, ROWS, _TILE)), (ROWS // 16, 16, 8, 16))
     if TILE16:
         tiles = row0 // 16 + tl.arange(0, ROWS // 16)
         scales = _e4m3_value(tl.load(scales_ptr + tiles[:, None] * (C // 16) + groups[None, :]))
@@ -404,195 +519,343 @@ def _dequantize_kernel(codes_ptr, scales_ptr, tensor_scale_ptr, out_ptr, C, ROWS
         values = values * tl.reshape(scales, (ROWS // 16, 16, 8, 1))
     if TENSOR_SCALE:
         values = values * tl.load(tensor_scale_ptr)
-    cols = col0 + tl.arange(0, 128)
-    tl.store(out_ptr + rows[:, None] * C + cols[None, :], tl.reshape(values, (ROWS, 128)).to(out_ptr.dtype.element_ty))
+    cols = col0 + tl.arange(0, _TILE)
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], tl.reshape(values, (ROWS, _TILE)).to(out_ptr.dtype.element_ty))
 
 
 # -----------------------------------------------------------------------------
-# Python side: launching the kernels
+# Launching the kernels (on a CPU too, under TRITON_INTERPRET=1: that is how the tests check them without a GPU)
 
 
-def _signs(signs, device):
-    """The rotation's random signs as float32 on the kernel's device (the kernels build H from them)."""
-    if signs.numel() not in (16, 128):
-        raise ValueError(f"the kernels rotate 16- or 128-chunks, got {signs.numel()} signs")
-    return signs.to(device=device, dtype=torch.float32)
+def check_matrix(x, row_multiple, col_multiple, what, transpose=False):
+    """Raise a ValueError unless x is a non-empty 2-D BF16/FP16/FP32 tensor whose shape (transposed, if asked) is a
+    multiple of [row_multiple, col_multiple]."""
+    if not isinstance(x, torch.Tensor) or x.dtype not in KERNEL_DTYPES:
+        kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise ValueError(f"{what} needs a bfloat16, float16 or float32 tensor, got {kind}")
+    rows, cols = (x.shape[-1], x.shape[0]) if transpose else (x.shape[0] if x.dim() else 0, x.shape[-1])
+    if x.dim() != 2 or x.numel() == 0 or rows % row_multiple or cols % col_multiple:
+        raise ValueError(f"{what} needs a 2-D tensor whose {'transpose ' if transpose else ''}shape is a multiple of "
+                         f"[{row_multiple}, {col_multiple}], got shape {tuple(x.shape)}")
 
 
-def _random_seed(generator=None):
-    """A Philox seed drawn on the host from a CPU generator (default: torch's global one), so launching needs no
-    device work and no synchronization, and checkpoints that save the CPU random state reproduce it."""
-    return int(torch.randint(0, 2**31 - 1, (), generator=generator))
+def check_kernel_device(t, what):
+    if not (t.is_cuda or t.is_cpu and INTERPRETED):
+        raise ValueError(f"{what} runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got {t.device}")
+
+
+def check_rotation(signs, sizes, what):
+    """Raise a ValueError unless signs is a 1-D float tensor whose length is in sizes. (Only their sign bits are
+    used by the kernels; the references also check that they are +-1.)"""
+    if not isinstance(signs, torch.Tensor) or signs.dim() != 1 or signs.numel() not in sizes:
+        shape = tuple(signs.shape) if isinstance(signs, torch.Tensor) else type(signs).__name__
+        raise ValueError(f"{what} needs 1-D signs of length {' or '.join(map(str, sizes))}, got {shape}")
+
+
+ROTATIONS = (16, 32, 128)  # rotation widths of the quantizer: NVIDIA's 16, TetraJet-v2's 32, MS-EDEN's 128
+
+
+def _programs(tiles, device):
+    """Programs of a persistent kernel: one per multiprocessor (at most one per tile)."""
+    if device.type != "cuda":
+        return tiles
+    return min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def _dot_fp32(x):
     """Rotate in FP32 for FP32 input (and always in the interpreter); BF16 input rotates exactly in BF16."""
-    return INTERPRETED or x.dtype == torch.float32
+    return INTERPRETED or x.dtype != torch.bfloat16
+
+
+def draw_seed(device):
+    """A Philox seed drawn on the device from torch's generator: no host synchronization, a fresh seed on every
+    replay of a captured CUDA graph, and reproducible after torch.manual_seed."""
+    return torch.randint(2**31 - 1, (1,), device=device)
 
 
 def _amax(x, transpose=False, signs=None):
-    """Absolute maximum of x (or of rht(x^T, signs)) as int32 bits in a 1-element tensor, without a host sync."""
+    """Absolute maximum of x (or of rht(x or x^T, signs)) as int32 bits in a 1-element tensor, without a host sync."""
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if signs is None:
+    if signs is None and not transpose:
         x = x.contiguous()
         _amax_kernel[(triton.cdiv(x.numel(), AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=AMAX_BLOCK)
         return amax
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
-    strides = (x.stride(1), x.stride(0)) if transpose else x.stride()
-    _rotated_amax_kernel[(rows // QUANTIZE_ROWS, cols // TILE)](x, *strides, signs, amax, ROWS=QUANTIZE_ROWS,
-                                                                 N=signs.numel(), SCALE=1 / math.sqrt(signs.numel()),
-                                                                 DOT_FP32=_dot_fp32(x))
+    if signs is None:  # a transposed read without rotation has the same maximum
+        return _amax(x)
+    _rotated_amax_kernel[(rows // QUANTIZE_ROWS, cols // TILE)](
+        x, *x.stride(), signs, amax, ROWS=QUANTIZE_ROWS, N=signs.numel(), TRANSPOSE=transpose, DOT_FP32=_dot_fp32(x))
     return amax
 
 
-def triton_quantize(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2M1_MAX, transpose=False,
-                    signs=None, generator=None, scaled_codes=True):
-    """The kernel version of quantize(): 2-D x, last dimension a multiple of 128, rows of 64 (after transposing)."""
-    if x.dim() != 2 or four_over_six and rounding == "sr":
-        raise ValueError("triton_quantize handles 2-D tensors and four-over-six with round-to-nearest only")
-    rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
-    if rows % QUANTIZE_ROWS or cols % TILE:
-        raise ValueError(f"triton_quantize needs [rows, cols] multiples of [{QUANTIZE_ROWS}, {TILE}], "
-                         f"got {[rows, cols]}")
-    fp8_max = 256.0 if four_over_six else E4M3_MAX
-    signs = None if signs is None else _signs(signs, x.device)
-    amax = _amax(x, transpose, signs)
-    strides = (x.stride(1), x.stride(0)) if transpose else x.stride()
-    device = x.device
-    codes = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
+def empty_quantized(rows, cols, block, out_dtype, device):
+    """Outputs of a quantizer of [rows, cols]: codes, group scales, tensor scale, code * group_scale."""
     scale_rows = rows if block == "1x16" else rows // GROUP
-    scales = torch.empty(scale_rows, cols // GROUP, dtype=torch.float8_e4m3fn, device=device)
-    scaled = torch.empty(rows, cols, dtype=torch.bfloat16, device=device) if scaled_codes else codes
-    tensor_scale = torch.empty((), dtype=torch.float32, device=device)
-    seed = _random_seed(generator) if rounding == "sr" else 0
+    return (torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),
+            torch.empty(scale_rows, cols // GROUP, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty((), dtype=torch.float32, device=device),
+            torch.empty(rows, cols, dtype=out_dtype, device=device))
+
+
+def triton_quantize(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2M1_MAX, transpose=False,
+                    signs=None, seed=None, out_dtype=torch.bfloat16, scaled_codes=True):
+    """The kernel version of quantize_nvfp4 for x [R, C] (or x^T, rotated by signs if given): R a multiple of 32,
+    C of 128 (after transposing). Returns an NVFP4Tensor, with code * group_scale in out_dtype if scaled_codes."""
+    check_matrix(x, QUANTIZE_ROWS, TILE, "triton_quantize", transpose)
+    check_kernel_device(x, "triton_quantize")
+    fp8_max = default_fp8_max(four_over_six)
+    check_quantizer(rounding, block, fp4_max, fp8_max, four_over_six)
+    if signs is not None:
+        check_rotation(signs, ROTATIONS, "triton_quantize")
+        signs = signs.to(device=x.device, dtype=torch.float32)
+    rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
+    codes, scales, tensor_scale, scaled = empty_quantized(rows, cols, block, out_dtype, x.device)
+    if rounding == "sr" and seed is None:
+        seed = draw_seed(x.device)
     _quantize_kernel[(rows // QUANTIZE_ROWS, cols // TILE)](
-        x, *strides, amax if signs is None else signs, amax, seed, codes, scales.view(torch.uint8), scaled,
-        tensor_scale, cols, fp4_max, fp4_max * 4 / 6, fp8_max * fp4_max,
-        ROWS=QUANTIZE_ROWS, ROTATE=signs is not None, N=1 if signs is None else signs.numel(),
-        SCALE=1.0 if signs is None else 1 / math.sqrt(signs.numel()),
+        x, *x.stride(), signs, _amax(x, transpose, signs), seed if rounding == "sr" else None,
+        codes, scales.view(torch.uint8), scaled if scaled_codes else None, tensor_scale,
+        cols, fp4_max, fp8_max,
+        ROWS=QUANTIZE_ROWS, TRANSPOSE=transpose, ROTATION=0 if signs is None else signs.numel(),
         STOCHASTIC=rounding == "sr", FOUR_OVER_SIX=four_over_six, TILE16=block == "16x16",
-        WRITE_SCALED=scaled_codes, DOT_FP32=_dot_fp32(x), num_warps=QUANTIZE_WARPS)
-    return NVFP4Tensor(codes, scales, tensor_scale, torch.Size((rows, cols)), block,
-                       scaled if scaled_codes else None)
+        DOT_FP32=_dot_fp32(x), num_warps=QUANTIZE_WARPS)
+    return NVFP4Tensor(codes, scales, tensor_scale, torch.Size((rows, cols)), block, scaled if scaled_codes else None)
 
 
-def _eden_outputs(rows, cols, device):
+def _phase1_outputs(rows, cols, device):
     """Phase-one outputs for an MS-EDEN result [rows, cols]: packed codes, FP32 corrected scales, their maximum."""
-    codes = torch.empty(rows, cols // 2, dtype=torch.uint8, device=device)
-    corrected = torch.empty(rows, cols // GROUP, dtype=torch.float32, device=device)
-    return codes, corrected, torch.zeros(1, dtype=torch.int32, device=device)
-
-
-def _check_eden_input(rows, cols):
-    if rows % HADAMARD or cols % HADAMARD:
-        raise ValueError(f"MS-EDEN kernels need both dimensions to be multiples of {HADAMARD}, got {[rows, cols]}")
+    return (torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),
+            torch.empty(rows, cols // GROUP, dtype=torch.float32, device=device),
+            torch.zeros(1, dtype=torch.int32, device=device))
 
 
 def eden_phase1(x, signs):
-    """Phase one for x [R, C] rotated along C and for x^T [C, R] rotated along R, from one read of x.
-    Returns two (packed codes, FP32 corrected scales, largest corrected scale as int32 bits)."""
+    """Phase one for x [R, C] rotated along C and for x^T [C, R] rotated along R, from one read of x. Returns two
+    (packed codes, FP32 corrected scales, largest corrected scale as int32 bits)."""
+    check_matrix(x, TILE, TILE, "MS-EDEN")
+    check_kernel_device(x, "MS-EDEN")
+    check_rotation(signs, (HADAMARD,), "MS-EDEN")
     rows, cols = x.shape
-    _check_eden_input(rows, cols)
-    row_out, col_out = _eden_outputs(rows, cols, x.device), _eden_outputs(cols, rows, x.device)
-    _eden_kernel[(rows // 128, cols // 128)](
-        x, *x.stride(), x, x, x, _signs(signs, x.device), *row_out, *col_out, rows, cols,
-        FROM_NVFP4=False, ROWS_OUT=True, COLS_OUT=True, DOT_FP32=_dot_fp32(x), num_warps=EDEN_WARPS)
+    row_out, col_out = _phase1_outputs(rows, cols, x.device), _phase1_outputs(cols, rows, x.device)
+    tiles = rows * cols // TILE**2
+    programs = _programs(tiles, x.device)
+    _eden_kernel[(programs,)](
+        x, *x.stride(), None, None, None, signs.to(device=x.device, dtype=torch.float32), *row_out, *col_out,
+        rows, cols, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), DOT_FP32=_dot_fp32(x), num_warps=EDEN_WARPS)
     return row_out, col_out
+
+
+def check_nvfp4(q, what, multiple):
+    """Raise a ValueError unless q is a 2-D 1x16 NVFP4Tensor whose shape is a multiple of [multiple, multiple], on a
+    device the kernels run on."""
+    if not isinstance(q, NVFP4Tensor) or q.block != "1x16" or len(q.shape) != 2:
+        raise ValueError(f"{what} needs a 2-D NVFP4Tensor with 1x16 groups, got {type(q).__name__}")
+    if q.shape[0] % multiple or q.shape[1] % multiple:
+        raise ValueError(f"{what} needs a shape that is a multiple of [{multiple}, {multiple}], got {tuple(q.shape)}")
 
 
 def eden_phase1_requantize(q, signs):
     """Phase one for q.dequantize()^T, q a 1x16 NVFP4 tensor [R, C]: dequantize, transpose, rotate along R."""
-    if q.block != "1x16" or len(q.shape) != 2:
-        raise ValueError("requantize_ms_eden needs a 2-D NVFP4 tensor with 1x16 groups")
+    check_nvfp4(q, "requantize_ms_eden", TILE)
+    check_kernel_device(q.codes, "requantize_ms_eden")
+    check_rotation(signs, (HADAMARD,), "requantize_ms_eden")
     rows, cols = q.shape
-    _check_eden_input(rows, cols)
-    out = _eden_outputs(cols, rows, q.codes.device)
-    _eden_kernel[(rows // 128, cols // 128)](  # the row outputs are not written (ROWS_OUT=False)
-        q.codes, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, _signs(signs, q.codes.device),
-        *out, *out, rows, cols, FROM_NVFP4=True, ROWS_OUT=False, COLS_OUT=True, DOT_FP32=INTERPRETED,
-        num_warps=EDEN_WARPS)
+    out = _phase1_outputs(cols, rows, q.codes.device)
+    tiles = rows * cols // TILE**2
+    programs = _programs(tiles, q.codes.device)
+    _eden_kernel[(programs,)](
+        None, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale,
+        signs.to(device=q.codes.device, dtype=torch.float32), None, None, None, *out,
+        rows, cols, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), DOT_FP32=INTERPRETED, num_warps=EDEN_WARPS)
     return out
 
 
-def _finish_outputs(codes, corrected, scaled_codes):
-    device = codes.device
-    rows, cols = codes.shape[0], codes.shape[1] * 2
-    scales = torch.empty(corrected.shape, dtype=torch.float8_e4m3fn, device=device)
-    scaled = torch.empty(rows, cols, dtype=torch.bfloat16, device=device) if scaled_codes else codes
-    return scales, scaled, torch.empty((), dtype=torch.float32, device=device)
-
-
-def eden_phase2(first, second=None, generator=None, scaled_codes=True):
+def eden_phase2(first, second=None, seed=None, out_dtype=torch.bfloat16, scaled_codes=True):
     """Phase two for one or two phase-one results (codes, corrected scales, their maximum), in one launch.
     Returns the NVFP4 tensor, or a pair of them."""
     parts = [first] if second is None else [first, second]
-    outputs = [_finish_outputs(codes, corrected, scaled_codes) for codes, corrected, _ in parts]
-    arguments = [(corrected, amax, codes, scales.view(torch.uint8), scaled, tensor_scale, corrected.numel())
-                 for (codes, corrected, amax), (scales, scaled, tensor_scale) in zip(parts, outputs)]
+    seed = draw_seed(first[0].device) if seed is None else seed
+    results, arguments = [], []
+    for codes, corrected, amax in parts:
+        rows, cols = codes.shape[0], codes.shape[1] * 2
+        _, scales, tensor_scale, scaled = empty_quantized(rows, cols, "1x16", out_dtype, codes.device)
+        scaled = scaled if scaled_codes else None
+        results.append(NVFP4Tensor(codes, scales, tensor_scale, torch.Size((rows, cols)), "1x16", scaled))
+        arguments.append((corrected, amax, codes, scales.view(torch.uint8), scaled, tensor_scale, corrected.numel()))
     blocks = sum(triton.cdiv(a[-1], FINISH_GROUPS) for a in arguments)
     if second is None:
         arguments.append(arguments[0][:-1] + (0,))  # an empty second tensor
-    _eden_finish_kernel[(blocks,)](_random_seed(generator), *arguments[0], *arguments[1], GROUPS=FINISH_GROUPS,
-                                   WRITE_SCALED=scaled_codes)
-    results = tuple(NVFP4Tensor(codes, scales, tensor_scale, torch.Size((codes.shape[0], codes.shape[1] * 2)),
-                                "1x16", scaled if scaled_codes else None)
-                    for (codes, _, _), (scales, scaled, tensor_scale) in zip(parts, outputs))
-    return results[0] if second is None else results
+    _eden_finish_kernel[(blocks,)](seed, *arguments[0], *arguments[1], GROUPS=FINISH_GROUPS)
+    return results[0] if second is None else tuple(results)
 
 
-def triton_ms_eden_pair(x, signs, generator=None, scaled_codes=True):
+def triton_ms_eden_pair(x, signs, seed=None, out_dtype=torch.bfloat16, scaled_codes=True):
     """MS-EDEN of x [R, C] rotated along C and of x^T [C, R] rotated along R, from one read of x."""
     row_out, col_out = eden_phase1(x, signs)
-    return eden_phase2(row_out, col_out, generator, scaled_codes)
+    return eden_phase2(row_out, col_out, seed, out_dtype, scaled_codes)
 
 
-def triton_requantize_ms_eden(q, signs, generator=None, scaled_codes=True):
+def triton_requantize_ms_eden(q, signs, seed=None, out_dtype=torch.bfloat16, scaled_codes=True):
     """MS-EDEN of q.dequantize()^T for a 1x16 NVFP4 tensor q [R, C]: one pass over q, then phase two."""
-    return eden_phase2(eden_phase1_requantize(q, signs), None, generator, scaled_codes)
+    return eden_phase2(eden_phase1_requantize(q, signs), None, seed, out_dtype, scaled_codes)
 
 
 def triton_dequantize(q, dtype=torch.float32, tensor_scale=True):
+    """q.dequantize(dtype, tensor_scale) for a 2-D NVFP4Tensor whose shape is a multiple of [16, 128]."""
+    if not isinstance(q, NVFP4Tensor) or len(q.shape) != 2 or q.shape[0] % DEQUANTIZE_ROWS or q.shape[1] % TILE:
+        raise ValueError(f"triton_dequantize needs a 2-D NVFP4Tensor whose shape is a multiple of "
+                         f"[{DEQUANTIZE_ROWS}, {TILE}], got {getattr(q, 'shape', type(q).__name__)}")
     rows, cols = q.shape
     out = torch.empty(rows, cols, dtype=dtype, device=q.codes.device)
-    block_rows = 16
-    _dequantize_kernel[(rows // block_rows, cols // TILE)](
-        q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, out, cols, ROWS=block_rows,
+    _dequantize_kernel[(rows // DEQUANTIZE_ROWS, cols // TILE)](
+        q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, out, cols, ROWS=DEQUANTIZE_ROWS,
         TILE16=q.block == "16x16", TENSOR_SCALE=tensor_scale)
     return out
 
 
 # -----------------------------------------------------------------------------
-# The dispatch point: kernels on CUDA, references elsewhere
+# The operators torch.compile sees: plain tensors in and out, the kernels on CUDA, the references elsewhere, and a
+# shape-only fake version for tracing
+
+Quantized = tuple[Tensor, Tensor, Tensor, Tensor]  # codes, group_scale, tensor_scale, code * group_scale
+QuantizedPair = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # two of them
+
+
+def _parts(q):
+    return q.codes, q.group_scale, q.tensor_scale, q.scaled_codes
+
+
+def _reference_parts(q, out_dtype):
+    q.scaled_codes = q.dequantize(out_dtype, tensor_scale=False)
+    return _parts(q)
+
+
+def _generator(seed):
+    """A CPU generator seeded from the op's seed tensor, so that the references draw reproducibly from it too."""
+    return None if seed is None else torch.Generator().manual_seed(int(seed.item()))
+
+
+@torch.library.custom_op("nanoquartet::quantize", mutates_args=())
+def _quantize_op(x: Tensor, signs: Optional[Tensor], seed: Optional[Tensor], rounding: str, four_over_six: bool,
+                 block: str, fp4_max: float, transpose: bool, out_dtype: torch.dtype) -> Quantized:
+    if x.is_cuda:
+        return _parts(triton_quantize(x, rounding, four_over_six, block, fp4_max, transpose, signs, seed, out_dtype))
+    x = x.t() if transpose else x
+    x = rht(x, signs) if signs is not None else x
+    return _reference_parts(quantize_nvfp4(x, rounding, four_over_six, block, fp4_max, generator=_generator(seed)),
+                            out_dtype)
+
+
+@_quantize_op.register_fake
+def _(x, signs, seed, rounding, four_over_six, block, fp4_max, transpose, out_dtype):
+    rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
+    return empty_quantized(rows, cols, block, out_dtype, x.device)
+
+
+@torch.library.custom_op("nanoquartet::ms_eden_pair", mutates_args=())
+def _ms_eden_pair_op(x: Tensor, signs: Tensor, seed: Tensor, out_dtype: torch.dtype) -> QuantizedPair:
+    if x.is_cuda:
+        rows, cols = triton_ms_eden_pair(x, signs, seed, out_dtype)
+        return _parts(rows) + _parts(cols)
+    generator = _generator(seed)
+    return (_reference_parts(quantize_ms_eden(x, signs, generator), out_dtype)
+            + _reference_parts(quantize_ms_eden(x.t(), signs, generator), out_dtype))
+
+
+@_ms_eden_pair_op.register_fake
+def _(x, signs, seed, out_dtype):
+    rows, cols = x.shape
+    return (empty_quantized(rows, cols, "1x16", out_dtype, x.device)
+            + empty_quantized(cols, rows, "1x16", out_dtype, x.device))
+
+
+@torch.library.custom_op("nanoquartet::requantize_ms_eden", mutates_args=())
+def _requantize_op(codes: Tensor, group_scale: Tensor, tensor_scale: Tensor, signs: Tensor, seed: Tensor,
+                   out_dtype: torch.dtype) -> Quantized:
+    q = NVFP4Tensor(codes, group_scale, tensor_scale, torch.Size((codes.shape[0], codes.shape[1] * 2)))
+    if codes.is_cuda:
+        return _parts(triton_requantize_ms_eden(q, signs, seed, out_dtype))
+    return _reference_parts(quantize_ms_eden(q.dequantize().t(), signs, _generator(seed)), out_dtype)
+
+
+@_requantize_op.register_fake
+def _(codes, group_scale, tensor_scale, signs, seed, out_dtype):
+    return empty_quantized(codes.shape[1] * 2, codes.shape[0], "1x16", out_dtype, codes.device)
+
+
+# -----------------------------------------------------------------------------
+# What model.py calls
+
+
+def _nvfp4(parts, block):
+    codes, group_scale, tensor_scale, scaled = parts
+    return NVFP4Tensor(codes, group_scale, tensor_scale, torch.Size((codes.shape[0], codes.shape[1] * 2)), block,
+                       scaled)
 
 
 def quantize(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2M1_MAX, transpose=False, signs=None,
-             generator=None):
-    """NVFP4 quantization of x (or of rht(x^T, signs) with transpose/signs) along the last dimension."""
-    if x.is_cuda and x.dim() == 2 and not (four_over_six and rounding == "sr"):
-        return triton_quantize(x, rounding, four_over_six, block, fp4_max, transpose, signs, generator)
-    x = x.t() if transpose else x
-    x = rht(x, signs) if signs is not None else x
-    return quantize_nvfp4(x, rounding, four_over_six, block, fp4_max, generator=generator)
+             out_dtype=None):
+    """NVFP4 quantization of x [R, C] along C (or of x^T along R, rotated by signs if given): R a multiple of 32 and
+    C of 128 (after transposing). The result carries code * group_scale in out_dtype (default x's dtype)."""
+    check_matrix(x, QUANTIZE_ROWS, TILE, "quantize", transpose)
+    check_quantizer(rounding, block, fp4_max, default_fp8_max(four_over_six), four_over_six)
+    if signs is not None:
+        check_rotation(signs, ROTATIONS, "quantize")
+    seed = draw_seed(x.device) if rounding == "sr" else None
+    parts = torch.ops.nanoquartet.quantize(x, signs, seed, rounding, four_over_six, block, float(fp4_max), transpose,
+                                           out_dtype or x.dtype)
+    return _nvfp4(parts, block)
 
 
-def ms_eden_pair(x, signs, generator=None):
-    """(MS-EDEN of x along its last dimension, MS-EDEN of x^T along its first), from one read on CUDA."""
-    if x.is_cuda:
-        return triton_ms_eden_pair(x, signs, generator=generator)
-    return quantize_ms_eden(x, signs, generator), quantize_ms_eden(x.t(), signs, generator)
+def ms_eden_pair(x, signs, out_dtype=None):
+    """(MS-EDEN of x [R, C] along C, MS-EDEN of x^T along R), both rotated by the 128 signs, from one read of x."""
+    check_matrix(x, TILE, TILE, "ms_eden_pair")
+    check_rotation(signs, (HADAMARD,), "ms_eden_pair")
+    parts = torch.ops.nanoquartet.ms_eden_pair(x, signs, draw_seed(x.device), out_dtype or x.dtype)
+    return _nvfp4(parts[:4], "1x16"), _nvfp4(parts[4:], "1x16")
 
 
-def requantize_ms_eden(q, signs, generator=None):
-    """MS-EDEN of the transpose of a saved NVFP4 tensor (the backward's re-quantization of X and W)."""
-    if q.codes.is_cuda:
-        return triton_requantize_ms_eden(q, signs, generator)
-    return quantize_ms_eden(q.dequantize().t(), signs, generator)
+def requantize_ms_eden(q, signs, out_dtype=torch.bfloat16):
+    """MS-EDEN of the transpose of a saved 1x16 NVFP4 tensor (the backward's re-quantization of X and W)."""
+    check_nvfp4(q, "requantize_ms_eden", TILE)
+    check_rotation(signs, (HADAMARD,), "requantize_ms_eden")
+    parts = torch.ops.nanoquartet.requantize_ms_eden(q.codes, q.group_scale, q.tensor_scale, signs,
+                                                     draw_seed(q.codes.device), out_dtype)
+    return _nvfp4(parts, "1x16")
 
 
 def dequantize(q, dtype=torch.float32, tensor_scale=True):
-    if q.codes.is_cuda and len(q.shape) == 2:
+    """q.dequantize(dtype, tensor_scale): the kernel for 2-D CUDA tensors whose shape it tiles, else the reference."""
+    if q.codes.is_cuda and len(q.shape) == 2 and q.shape[0] % DEQUANTIZE_ROWS == 0 and q.shape[1] % TILE == 0:
         return triton_dequantize(q, dtype, tensor_scale)
     return q.dequantize(dtype, tensor_scale)
+
+
+def save_for_backward(ctx, *items):
+    """ctx.save_for_backward for tensors and NVFP4Tensors. torch.compile traces an autograd Function only if what
+    its backward needs is saved as plain tensors, and PyTorch then frees them after the backward."""
+    tensors, layout = [], []
+    for item in items:
+        if isinstance(item, NVFP4Tensor):
+            tensors.extend(_parts(item))
+            layout.append((item.shape, item.block))
+        else:
+            tensors.append(item)
+            layout.append(None)
+    ctx.save_for_backward(*tensors)
+    ctx.layout = layout
+
+
+def saved_tensors(ctx):
+    """What save_for_backward saved, NVFP4Tensors rebuilt."""
+    tensors, items = list(ctx.saved_tensors), []
+    for entry in ctx.layout:
+        if entry is None:
+            items.append(tensors.pop(0))
+        else:
+            codes, group_scale, tensor_scale, scaled = (tensors.pop(0) for _ in range(4))
+            items.append(NVFP4Tensor(codes, group_scale, tensor_scale, entry[0], entry[1], scaled))
+    return items
 
 
 # -----------------------------------------------------------------------------
@@ -627,7 +890,9 @@ def native_mm_args(a, b, out_dtype=torch.bfloat16):
                 swizzle_a=swizzle, swizzle_b=swizzle, output_dtype=out_dtype)
 
 
+@torch.compiler.assume_constant_result  # a property of the GPU: torch.compile evaluates it once, while tracing
 def native_fp4_available(device):
+    """Whether `device` has FP4 tensor cores (Blackwell, sm_100+) and this PyTorch can drive them."""
     device = torch.device(device)
     return (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10
             and hasattr(torch.nn.functional, "scaled_mm") and hasattr(torch, "float4_e2m1fn_x2"))
@@ -640,7 +905,9 @@ def _operand(q, dtype):
 
 
 def nvfp4_mm(a, b, out_dtype=torch.bfloat16):
-    """a @ b^T for NVFP4 tensors a [M, K] and b [N, K] quantized along K: native on sm_100+, emulated elsewhere."""
+    """a @ b^T for NVFP4 tensors a [M, K] and b [N, K] quantized along K: native on sm_100+, emulated elsewhere, where
+    the product of the two FP32 tensor scales is applied where it is cheapest: to the smaller input (a weight, one
+    BF16 rounding the native GEMM does not have) or to the output."""
     if a.shape[-1] != b.shape[-1]:
         raise ValueError(f"nvfp4_mm needs a common K, got {tuple(a.shape)} and {tuple(b.shape)}")
     if native_fp4_available(a.codes.device):

@@ -21,9 +21,10 @@ one call share one set of 128 random signs, so the rotations cancel inside each 
 fresh signs. The NVIDIA recipe (arXiv 2509.25149, as the Quartet II paper compares it) saves the BF16 X and rotates
 only the dW GEMM, with a 16-wide Hadamard.
 
-All quantized operations go through kernels.py, the one dispatch point: Triton kernels on CUDA, the pure-PyTorch
-references of quantize.py and eden.py elsewhere. On GPUs without FP4 tensor cores the GEMMs run in BF16 on the
-dequantized values (emulated NVFP4: same numbers, BF16 speed).
+All quantized operations go through kernels.py: PyTorch operators that run Triton kernels on CUDA and the
+pure-PyTorch references of quantize.py and eden.py elsewhere, and that torch.compile traces, so a whole GPT compiles
+into one graph. On GPUs without FP4 tensor cores the GEMMs run in BF16 on the dequantized values (emulated NVFP4:
+same numbers, BF16 speed). Each backward is once_differentiable: its quantizers have no derivative of their own.
 
 The model is nanochat's original (October 2025) GPT, everything set by the depth:
     width = 64 * depth, attention heads of 128 dimensions (width / 128 heads), MLP hidden = 4 * width
@@ -34,7 +35,9 @@ The model is nanochat's original (October 2025) GPT, everything set by the depth
     The embedding and lm_head are untied; the output projections (and lm_head) start at zero; the logits are
     soft-capped as 15 * tanh(logits / 15) in FP32. Vocabulary: GPT-2's 50257 tokens, padded to 50304 rows.
 The recipe applies to the six linear layers of every block (q, k, v, attention output, MLP in, MLP out); the
-embedding and lm_head stay BF16, as in the paper.
+embedding and lm_head stay BF16, as in the paper. The quantized recipes run q, k and v as one GEMM on their stacked
+weights, so that their common input is quantized once (one tensor scale for the three weights and for their three
+gradients; each gradient stays unbiased, since each is a block of rows of one unbiased estimate).
 """
 
 import math
@@ -42,14 +45,15 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 import kernels as ops
 from eden import HADAMARD, random_signs
+from quantize import SR_FP4_MAX
 
 GPT2_VOCAB = 50257
 HEAD_DIM = 128
 SOFTCAP = 15.0
-SR_FP4_MAX = 6 * 16 / 17  # stochastic rounding that never clips (quantize.py)
 NVIDIA_HADAMARD = 16
 
 # -----------------------------------------------------------------------------
@@ -63,6 +67,7 @@ class BF16Linear(torch.autograd.Function):
         return x @ w.t()  # [T, out]
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, e):  # e [T, out]
         x, w = ctx.saved_tensors
         return e @ w, e.t() @ x  # dX [T, in], dW [out, in]
@@ -73,15 +78,17 @@ class Quartet2Linear(torch.autograd.Function):
     def forward(ctx, x, w):
         xq = ops.quantize(x, four_over_six=True)  # [T, in] along in
         wq = ops.quantize(w, four_over_six=True)  # [out, in] along in
-        ctx.xq, ctx.wq = xq.packed(), wq.packed()  # only the packed NVFP4 forms are kept for the backward
+        ops.save_for_backward(ctx, xq.packed(), wq.packed())  # only the packed NVFP4 forms are kept
         return ops.nvfp4_mm(xq, wq, x.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, e):
+        xq, wq = ops.saved_tensors(ctx)
         signs = random_signs(HADAMARD, device=e.device)  # fresh per call, shared by the four operands
         e_q, et_q = ops.ms_eden_pair(e, signs)  # E [T, out] along out, E^T [out, T] along T: one read of E
-        wt_q = ops.requantize_ms_eden(ctx.wq, signs)  # W^T [in, out] along out
-        xt_q = ops.requantize_ms_eden(ctx.xq, signs)  # X^T [in, T] along T
+        wt_q = ops.requantize_ms_eden(wq, signs, e.dtype)  # W^T [in, out] along out
+        xt_q = ops.requantize_ms_eden(xq, signs, e.dtype)  # X^T [in, T] along T
         dx = ops.nvfp4_mm(e_q, wt_q, e.dtype)  # [T, in]
         dw = ops.nvfp4_mm(et_q, xt_q, e.dtype)  # [out, in]
         return dx, dw
@@ -92,15 +99,15 @@ class NvidiaLinear(torch.autograd.Function):
     def forward(ctx, x, w):
         xq = ops.quantize(x)  # [T, in] RTN 1x16 along in
         wq = ops.quantize(w, block="16x16")  # [out, in] RTN 16x16: W and W^T share one quantization
-        ctx.save_for_backward(x)  # this recipe saves X in BF16
-        ctx.wq = wq
+        ops.save_for_backward(ctx, x, wq)  # this recipe saves X in BF16
         return ops.nvfp4_mm(xq, wq, x.dtype)
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, e):
-        (x,) = ctx.saved_tensors
+        x, wq = ops.saved_tensors(ctx)
         e_q = ops.quantize(e, rounding="sr", fp4_max=SR_FP4_MAX)  # [T, out] along out
-        dx = ops.nvfp4_mm(e_q, ctx.wq.t(), e.dtype)  # [T, in]
+        dx = ops.nvfp4_mm(e_q, wq.t(), e.dtype)  # [T, in]
         signs = random_signs(NVIDIA_HADAMARD, device=e.device)
         et_q = ops.quantize(e, rounding="sr", fp4_max=SR_FP4_MAX, transpose=True, signs=signs)  # [out, T]
         xt_q = ops.quantize(x, transpose=True, signs=signs)  # [in, T]
@@ -109,11 +116,6 @@ class NvidiaLinear(torch.autograd.Function):
 
 
 RECIPES = {"bf16": BF16Linear, "quartet2": Quartet2Linear, "nvidia": NvidiaLinear}
-
-
-@torch.compiler.disable  # NVFP4Tensor objects and Triton launches stay outside torch.compile's graphs
-def _quantized_linear(function, x, w):
-    return function.apply(x, w)
 
 
 class Linear(nn.Module):
@@ -130,17 +132,17 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
 
     def forward(self, x):
-        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-        tokens = x.reshape(-1, x.shape[-1]).to(dtype)  # [T, in]
-        w = self.weight.to(dtype)
-        if self.recipe == "bf16":
-            y = BF16Linear.apply(tokens, w)
-        else:
-            if tokens.shape[0] % HADAMARD:
-                raise ValueError(f"the {self.recipe} recipe needs the tokens per micro-batch (batch x sequence) "
-                                 f"to be a multiple of {HADAMARD}, got {tokens.shape[0]}")
-            y = _quantized_linear(RECIPES[self.recipe], tokens, w)
-        return y.view(*x.shape[:-1], -1)
+        return linear(x, self.weight, self.recipe)
+
+
+def linear(x, weight, recipe):
+    """x [..., in] @ weight^T through the recipe's three GEMMs, in the autocast dtype if autocast is on."""
+    dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+    tokens = x.reshape(-1, x.shape[-1]).to(dtype)  # [T, in]
+    if recipe != "bf16" and tokens.shape[0] % HADAMARD:
+        raise ValueError(f"the {recipe} recipe needs the tokens per micro-batch (batch x sequence) to be a multiple "
+                         f"of {HADAMARD}, got {tokens.shape[0]}")
+    return RECIPES[recipe].apply(tokens, weight.to(dtype)).view(*x.shape[:-1], -1)
 
 
 # -----------------------------------------------------------------------------
@@ -173,7 +175,13 @@ class Attention(nn.Module):
 
     def forward(self, x, cos, sin):  # x [B, T, width]
         batch, seq, width = x.shape
-        q, k, v = (layer(x).view(batch, seq, self.heads, HEAD_DIM) for layer in (self.c_q, self.c_k, self.c_v))
+        recipe = self.c_q.recipe
+        if recipe == "bf16":  # three GEMMs: measured as fast as one, and with less memory (NOTES.md)
+            q, k, v = (layer(x) for layer in (self.c_q, self.c_k, self.c_v))
+        else:  # q, k and v read the same x: one GEMM on the stacked weights quantizes x once, not three times
+            qkv_weight = torch.cat([self.c_q.weight, self.c_k.weight, self.c_v.weight])  # [3 width, width]
+            q, k, v = linear(x, qkv_weight, recipe).split(width, dim=-1)  # parameters and Muon stay per matrix
+        q, k, v = (t.view(batch, seq, self.heads, HEAD_DIM) for t in (q, k, v))
         q, k = norm(apply_rotary(q, cos, sin)), norm(apply_rotary(k, cos, sin))
         y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
         return self.c_proj(y.transpose(1, 2).reshape(batch, seq, width))

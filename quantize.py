@@ -26,7 +26,7 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
 3. Round-to-nearest quantization (RTN), given fp4_max (the grid value the group maximum maps to) and fp8_max (the
    largest group scale allowed):
 
-       tensor_scale = amax(|x|) / (fp8_max * fp4_max)                  (1 if x is all zero)
+       tensor_scale = amax(|x|) / (fp8_max * fp4_max)                  (1 if x is all zero: section 6)
        group_scale  = E4M3_round(group_amax / fp4_max / tensor_scale)   (1 if that rounds to 0)
        code         = E2M1_round(x * (1 / (group_scale * tensor_scale)))  (saturating at +-6)
 
@@ -37,16 +37,24 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
 4. Variants
    - Stochastic rounding (SR): round each x / (group_scale * tensor_scale) up or down to its two grid neighbours,
      up with probability equal to the distance from the lower one (in units of the step). Then
-     E[code * group_scale * tensor_scale] = x exactly, as long as nothing clips: SR therefore scales with fp4_max = 6 * 16/17, so that even a group scale shrunk by
-     16/17 keeps the group maximum inside the grid.
+     E[code * group_scale * tensor_scale] = x exactly, as long as nothing clips: SR therefore scales with
+     fp4_max = 6 * 16/17 (SR_FP4_MAX), so that even a group scale shrunk by 16/17 keeps the group maximum inside
+     the grid.
    - Four-over-six (4/6): quantize each group twice, once mapping its maximum to fp4_max (6) and once to
      fp4_max * 4/6 (4, i.e. a group scale 1.5x larger), and keep the one with the smaller squared error (a tie keeps
      6). Mapping to 4 gives up the grid value 6, but the group's largest values then round between 3 and 4 instead
-     of between 4 and 6: a finer step where most of the error is made. The 1.5x larger scale needs headroom in E4M3, so fp8_max defaults to 256 instead of 448. Choosing by
-     error makes the quantizer biased, which is fine for the forward pass only.
+     of between 4 and 6: a finer step where most of the error is made. The 1.5x larger scale needs headroom in
+     E4M3, so fp8_max is 256 instead of 448 (default_fp8_max). Choosing by error makes the quantizer biased, which
+     is fine for the forward pass only.
 
 5. NaN and Inf: E2M1 has neither. A NaN or Inf anywhere in the input makes the tensor scale NaN, so the whole tensor
    dequantizes to NaN instead of silently turning into finite numbers.
+
+6. Dynamic range. Every finite tensor up to FP32's largest value (3.4e38) quantizes normally. At the small end the
+   kernels multiply by 1 / (group_scale * tensor_scale), which must stay finite: group scales are at least 2^-9
+   (E4M3's smallest step), so the tensor scale must be at least MIN_TENSOR_SCALE = 2^-126 / 2^-9 = 2^-117 (2^-126:
+   FP32's smallest normal number). A tensor whose absolute maximum is below MIN_TENSOR_SCALE * fp8_max * fp4_max
+   (about 2^-106 = 1e-32 for RTN) gets the tensor scale 1 and quantizes to zeros, as an all-zero tensor does.
 
 Reading order below: rounding to a small float grid, codes and packing, the NVFP4Tensor container, the quantizer.
 """
@@ -58,6 +66,10 @@ import torch
 
 E2M1_MAX = 6.0
 E4M3_MAX = 448.0
+SR_FP4_MAX = E2M1_MAX * 16 / 17  # stochastic rounding that never clips (section 4)
+FOUR_OVER_SIX_FP8_MAX = 256.0  # headroom in E4M3 for four-over-six's 1.5x larger scales (section 4)
+MIN_NORMAL = 2.0**-126  # FP32's smallest normal number: its reciprocal is still finite
+MIN_TENSOR_SCALE = MIN_NORMAL / 2.0**-9  # times the smallest E4M3 group scale, still normal (section 6)
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude of codes 0..7
 GROUP = 16  # elements per group scale (along the last dimension, or 16x16 tiles)
 BLOCKS = ("1x16", "16x16")
@@ -190,23 +202,43 @@ class NVFP4Tensor:
 
 
 def check_quantizable(x, multiple, dims=1, what="quantize_nvfp4"):
-    """Raise a ValueError that says what is required unless x is a float tensor whose last `dims` sizes are
-    multiples of `multiple`."""
+    """Raise a ValueError that says what is required unless x is a non-empty float tensor with data whose last
+    `dims` sizes are multiples of `multiple`."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{what} needs a floating-point tensor (float32, bfloat16 or float16), got {kind}")
-    if x.dim() < dims:
-        raise ValueError(f"{what} needs a tensor with at least {dims} dimension(s), got shape {tuple(x.shape)}")
+    if x.is_meta:
+        raise ValueError(f"{what} needs a tensor with data, got a meta tensor")
+    if x.dim() < dims or x.numel() == 0:
+        raise ValueError(f"{what} needs a non-empty tensor with at least {dims} dimension(s), got shape "
+                         f"{tuple(x.shape)}")
     for size in x.shape[x.dim() - dims:]:
         if size % multiple:
             which = "last dimension" if dims == 1 else f"last {dims} dimensions"
             raise ValueError(f"{what} needs the {which} to be multiples of {multiple}, got shape {tuple(x.shape)}")
 
 
+def check_quantizer(rounding, block, fp4_max, fp8_max, four_over_six):
+    """Raise a ValueError unless the quantizer's settings are ones it can honour."""
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
+    if block not in BLOCKS:
+        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
+    if not 0.5 <= fp4_max <= 2 * E2M1_MAX:  # also refuses NaN
+        raise ValueError(f"fp4_max (the grid value a group's maximum maps to) must lie in [0.5, 12], got {fp4_max}")
+    if not 1.0 <= fp8_max * (1.5 if four_over_six else 1.0) <= E4M3_MAX:
+        raise ValueError(f"fp8_max={fp8_max} leaves no room in E4M3 (1 ... 448) for the scales it implies")
+
+
+def default_fp8_max(four_over_six):
+    return FOUR_OVER_SIX_FP8_MAX if four_over_six else E4M3_MAX
+
+
 def tensor_scale_for(largest, limit):
-    """largest / limit as the FP32 tensor scale: 1 if largest is 0, NaN if it is NaN or Inf."""
+    """largest / limit as the FP32 tensor scale: NaN if largest is NaN or Inf, 1 if the quotient is below
+    MIN_TENSOR_SCALE (an all-zero tensor, or one too small to quantize: it becomes zeros, section 6)."""
     scale = largest.float() / limit
-    scale = torch.where(largest == 0, torch.ones_like(scale), scale)
+    scale = torch.where(scale < MIN_TENSOR_SCALE, torch.ones_like(scale), scale)
     return torch.where(torch.isfinite(largest), scale, torch.full_like(scale, float("nan")))
 
 
@@ -244,14 +276,8 @@ def quantize_nvfp4(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max
     four_over_six: per group, keep the better of mapping the maximum to fp4_max or to fp4_max * 4/6.
     fp8_max: the largest group scale; 448, or 256 with four_over_six (headroom for its 1.5x larger scales).
     """
-    if rounding not in ROUNDINGS:
-        raise ValueError(f"rounding must be one of {ROUNDINGS}, got {rounding!r}")
-    if block not in BLOCKS:
-        raise ValueError(f"block must be one of {BLOCKS}, got {block!r}")
-    if fp8_max is None:
-        fp8_max = 256.0 if four_over_six else E4M3_MAX
-    if fp8_max * (1.5 if four_over_six else 1.0) > E4M3_MAX:
-        raise ValueError(f"fp8_max={fp8_max} leaves no room in E4M3 (max 448) for the scales it implies")
+    fp8_max = default_fp8_max(four_over_six) if fp8_max is None else fp8_max
+    check_quantizer(rounding, block, fp4_max, fp8_max, four_over_six)
     check_quantizable(x, GROUP, dims=1 if block == "1x16" else 2)
 
     groups = to_groups(x.float(), block)  # [..., groups, 16 or 256]

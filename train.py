@@ -54,6 +54,9 @@ from model import GPT, RECIPES
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 EOT = 50256
+# torch.compile's mode for the model, the same for every recipe. "reduce-overhead" adds CUDA graphs; measured on an
+# H200 it did not pay (NOTES.md), so the default mode it is.
+COMPILE_MODE = "default"
 
 # Presets: a flat set of defaults per size; any flag given on the command line wins.
 PRESETS = {
@@ -169,12 +172,16 @@ def data_sources(args, tokenizer):
     return documents, validation
 
 
-def validation_windows(documents, seq_len, count):
-    """The first `count` windows of the validation documents (fewer if they run out): a fixed set."""
+def validation_windows(documents, seq_len, count, multiple=1):
+    """The first `count` windows of the validation documents (fewer if they run out), a multiple of `multiple` of
+    them (so that every evaluation batch is full: quantized recipes need whole multiples of 128 tokens, and a
+    compiled model one batch shape): a fixed set."""
     tokens = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)
-    count = min(count, len(tokens) // (seq_len + 1))
+    count = min(count, len(tokens) // (seq_len + 1)) // multiple * multiple
     if count == 0:
-        raise TrainingError(f"the validation split has fewer than seq_len + 1 = {seq_len + 1} tokens")
+        raise TrainingError(f"the validation split must hold at least {multiple} window(s) of seq_len + 1 = "
+                            f"{seq_len + 1} tokens (--eval-tokens {multiple * seq_len} or more, or a smaller "
+                            f"--device-batch)")
     return torch.from_numpy(tokens[:count * (seq_len + 1)].astype(np.int64)).view(count, seq_len + 1)
 
 
@@ -196,21 +203,24 @@ def bpb_sums(losses, targets, bytes_per_token):
 
 
 def newton_schulz(g, steps=5):
-    """Approximately orthogonalize g (replace its singular values by ~1) with a quintic Newton-Schulz iteration, in
-    BF16 (Keller Jordan's coefficients, chosen to push singular values into [0.7, 1.2] quickly)."""
+    """Approximately orthogonalize each matrix of g [..., rows, cols] (replace its singular values by ~1) with a
+    quintic Newton-Schulz iteration, in BF16 (Keller Jordan's coefficients, chosen to push singular values into
+    [0.7, 1.2] quickly)."""
     a, b, c = 3.4445, -4.7750, 2.0315
     x = g.bfloat16()
-    tall = x.shape[0] > x.shape[1]
-    x = x.t() if tall else x
-    x = x / (x.norm() + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    tall = x.shape[-2] > x.shape[-1]
+    x = x.mT if tall else x
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
     for _ in range(steps):
-        s = x @ x.t()
+        s = x @ x.mT
         x = a * x + (b * s + c * s @ s) @ x
-    return x.t() if tall else x
+    return x.mT if tall else x
 
 
 class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-Schulz, for 2-D weight matrices (nesterov momentum)."""
+    """MomentUm Orthogonalized by Newton-Schulz, for 2-D weight matrices (nesterov momentum). The matrices of one
+    shape are orthogonalized together, as one batch: a few large launches instead of many small ones (the d12 model
+    has 72 matrices of 2 shapes). torch.optim.Muon computes the same update one matrix at a time."""
 
     def __init__(self, params, lr=0.02, momentum=0.95):
         super().__init__(params, dict(lr=lr, momentum=momentum))
@@ -218,18 +228,28 @@ class Muon(torch.optim.Optimizer):
     @torch.no_grad()
     def step(self):
         for group in self.param_groups:
+            by_shape = {}
             for p in group["params"]:
-                buffer = self.state[p].setdefault("momentum_buffer", torch.zeros_like(p))
-                buffer.lerp_(p.grad, 1 - group["momentum"])
-                update = newton_schulz(p.grad.lerp(buffer, group["momentum"]))
-                p.add_(update.to(p.dtype), alpha=-group["lr"] * max(1, p.shape[0] / p.shape[1]) ** 0.5)
+                by_shape.setdefault(p.shape, []).append(p)
+            for (rows, cols), params in by_shape.items():
+                grads = [p.grad for p in params]
+                buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+                torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
+                nesterov = torch.stack(grads).lerp_(torch.stack(buffers), group["momentum"])  # [n, rows, cols]
+                updates = newton_schulz(nesterov).to(params[0].dtype).unbind(0)
+                torch._foreach_add_(params, updates, alpha=-group["lr"] * max(1, rows / cols) ** 0.5)
+
+
+def compile_model(model, mode=COMPILE_MODE):
+    """torch.compile the whole model as one graph: fullgraph, so that a graph break is an error, not a slowdown."""
+    return torch.compile(model, fullgraph=True, dynamic=False, mode=mode)
 
 
 def make_optimizers(model, args):
     scale = (model.width / 768) ** -0.5  # nanochat's AdamW learning rates are tuned at width 768
     adamw = torch.optim.AdamW([dict(params=[model.embedding.weight], lr=args.lr_embedding * scale),
                                dict(params=[model.lm_head.weight], lr=args.lr_head * scale)],
-                              betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0)
+                              betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=model.embedding.weight.is_cuda)
     muon = Muon(model.matrix_parameters(), lr=args.lr_matrix)
     for optimizer in (adamw, muon):
         for group in optimizer.param_groups:
@@ -314,6 +334,7 @@ def evaluate(model, windows, bytes_per_token, ctx, args, dtype):
     with torch.no_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32):
         for batch in mine.split(args.device_batch):
             batch = batch.to(ctx.device)
+            torch.compiler.cudagraph_mark_step_begin()
             losses = model(batch[:, :-1], batch[:, 1:], reduction="none")
             losses_counted, bytes_counted = bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token)
             loss_sum += losses_counted
@@ -343,7 +364,7 @@ def train_recipe(recipe, args, ctx, data, log_file):
         set_rng_state(checkpoint["rng"])
         start, history = checkpoint["step"], checkpoint["history"]
         ctx.log(f"[{recipe}] resumed from {checkpoint_path} at step {start}")
-    trained = torch.compile(model) if args.compile else model
+    trained = compile_model(model) if args.compile else model
     if ctx.distributed:
         trained = torch.nn.parallel.DistributedDataParallel(trained, device_ids=[ctx.device.index]
                                                             if ctx.device.type == "cuda" else None)
@@ -371,6 +392,7 @@ def train_recipe(recipe, args, ctx, data, log_file):
             chunk = chunk.to(ctx.device)
             sync = micro == accumulation - 1 or not ctx.distributed
             with contextlib.nullcontext() if sync else trained.no_sync():  # all-reduce on the last only
+                torch.compiler.cudagraph_mark_step_begin()  # with CUDA graphs: the previous outputs are consumed
                 with torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32):
                     loss = trained(chunk[:, :-1], chunk[:, 1:])
                 (loss / accumulation).backward()
@@ -506,7 +528,7 @@ def parse_args(argv=None):
     add("--hf-files", nargs="*", help="with --data hf: local data files for the dataset (e.g. with 'json')")
     add("--val-docs", type=int, default=500, help="with --data hf: the first N documents are the validation split")
     add("--dtype", choices=["bfloat16", "float32"], help="autocast dtype (default bfloat16 on GPU, float32 on CPU)")
-    add("--compile", action="store_true", help="torch.compile the model")
+    add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: on a GPU)")
     add("--device", default="auto", help="cuda, cuda:N or cpu (default: the GPU if there is one)")
     add("--seed", type=int, default=0, help="seed of the weights, the data order and the quantization randomness")
     add("--out", default="runs/latest", help="output directory (checkpoints, metrics, summary, plot)")
@@ -528,6 +550,7 @@ def resolve(args, ctx):
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.dtype = args.dtype or ("bfloat16" if ctx.device.type == "cuda" else "float32")
+    args.compile = ctx.device.type == "cuda" if args.compile is None else args.compile
     args.recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
     unknown = [r for r in args.recipes if r not in RECIPES]
     if unknown or not args.recipes:
@@ -555,7 +578,8 @@ def main(argv=None):
                 f"{args.batch_tokens:,} tokens/step, {args.steps} steps, recipes {args.recipes}")
         tokenizer = gpt2_tokenizer()
         documents, validation = data_sources(args, tokenizer)
-        data = (documents, validation_windows(validation, args.seq_len, max(1, args.eval_tokens // args.seq_len)),
+        data = (documents, validation_windows(validation, args.seq_len, args.eval_tokens // args.seq_len,
+                                              args.device_batch * ctx.world),
                 token_bytes(tokenizer))
         os.makedirs(args.out, exist_ok=True)
         rows = []

@@ -107,7 +107,7 @@ def test_float_dtypes(dtype):
     (torch.randn(4, 200), random_signs(), "multiples of 128"),
     (torch.tensor(1.0), random_signs(), "at least 1 dimension"),
     (torch.ones(4, 128, dtype=torch.int64), random_signs(), "floating-point"),
-    (torch.randn(4, 128), random_signs(64), r"signs must have shape \(128,\)"),
+    (torch.randn(4, 128), random_signs(64), "signs must have 128 entries"),
 ])
 def test_bad_input_raises_a_clear_error(x, signs, message):
     with pytest.raises(ValueError, match=message):
