@@ -212,10 +212,11 @@ def training_step(depth, recipe, args, device, accumulation):
     forward + backward, then the optimizer (Muon + AdamW). Returns the median ms of one forward + backward and of
     one optimizer step, and the peak memory (GB) of a whole step."""
     import train
-    from model import GPT
+    from model import GPT, make_optimizers
     torch.manual_seed(0)
     model = GPT(depth, recipe, max_seq_len=args.seq_len).to(device)
-    adamw, muon = train.make_optimizers(model, train.parse_args([]))  # train.py's default learning rates
+    flags = train.parse_args([])  # train.py's default learning rates
+    adamw, muon = make_optimizers(model, flags.lr_matrix, flags.lr_embedding, flags.lr_head)
     runner = train.compile_model(model, args.compile_mode) if args.compile else model
     batch = torch.randint(0, 50257, (args.device_batch, args.seq_len + 1), device=device)
 

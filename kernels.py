@@ -717,12 +717,18 @@ def triton_dequantize(q, dtype=torch.float32, tensor_scale=True):
 # The operators torch.compile sees: plain tensors in and out, the kernels on CUDA, the references elsewhere, and a
 # shape-only fake version for tracing
 
-Quantized = tuple[Tensor, Tensor, Tensor, Tensor]  # codes, group_scale, tensor_scale, code * group_scale
+Quantized = tuple[Tensor, Tensor, Tensor, Tensor]  # codes, group scale bits (uint8), tensor scale, code * scale
 QuantizedPair = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]  # two of them
 
 
 def _parts(q):
-    return q.codes, q.group_scale, q.tensor_scale, q.scaled_codes
+    """The tensors of q, its E4M3 scales as their uint8 bits (operators pass plain integer and float tensors)."""
+    return q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, q.scaled_codes
+
+
+def _fake(rows, cols, block, out_dtype, device):
+    return _parts(NVFP4Tensor(*empty_quantized(rows, cols, block, out_dtype, device)[:3], torch.Size((rows, cols)),
+                              block))[:3] + (torch.empty(rows, cols, dtype=out_dtype, device=device),)
 
 
 def _reference_parts(q, out_dtype):
@@ -749,7 +755,7 @@ def _quantize_op(x: Tensor, signs: Optional[Tensor], seed: Optional[Tensor], rou
 @_quantize_op.register_fake
 def _(x, signs, seed, rounding, four_over_six, block, fp4_max, transpose, out_dtype):
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
-    return empty_quantized(rows, cols, block, out_dtype, x.device)
+    return _fake(rows, cols, block, out_dtype, x.device)
 
 
 @torch.library.custom_op("nanoquartet::ms_eden_pair", mutates_args=())
@@ -765,14 +771,14 @@ def _ms_eden_pair_op(x: Tensor, signs: Tensor, seed: Tensor, out_dtype: torch.dt
 @_ms_eden_pair_op.register_fake
 def _(x, signs, seed, out_dtype):
     rows, cols = x.shape
-    return (empty_quantized(rows, cols, "1x16", out_dtype, x.device)
-            + empty_quantized(cols, rows, "1x16", out_dtype, x.device))
+    return _fake(rows, cols, "1x16", out_dtype, x.device) + _fake(cols, rows, "1x16", out_dtype, x.device)
 
 
 @torch.library.custom_op("nanoquartet::requantize_ms_eden", mutates_args=())
 def _requantize_op(codes: Tensor, group_scale: Tensor, tensor_scale: Tensor, signs: Tensor, seed: Tensor,
                    out_dtype: torch.dtype) -> Quantized:
-    q = NVFP4Tensor(codes, group_scale, tensor_scale, torch.Size((codes.shape[0], codes.shape[1] * 2)))
+    q = NVFP4Tensor(codes, group_scale.view(torch.float8_e4m3fn), tensor_scale,
+                    torch.Size((codes.shape[0], codes.shape[1] * 2)))
     if codes.is_cuda:
         return _parts(triton_requantize_ms_eden(q, signs, seed, out_dtype))
     return _reference_parts(quantize_ms_eden(q.dequantize().t(), signs, _generator(seed)), out_dtype)
@@ -780,7 +786,7 @@ def _requantize_op(codes: Tensor, group_scale: Tensor, tensor_scale: Tensor, sig
 
 @_requantize_op.register_fake
 def _(codes, group_scale, tensor_scale, signs, seed, out_dtype):
-    return empty_quantized(codes.shape[1] * 2, codes.shape[0], "1x16", out_dtype, codes.device)
+    return _fake(codes.shape[1] * 2, codes.shape[0], "1x16", out_dtype, codes.device)
 
 
 # -----------------------------------------------------------------------------
@@ -788,9 +794,9 @@ def _(codes, group_scale, tensor_scale, signs, seed, out_dtype):
 
 
 def _nvfp4(parts, block):
-    codes, group_scale, tensor_scale, scaled = parts
-    return NVFP4Tensor(codes, group_scale, tensor_scale, torch.Size((codes.shape[0], codes.shape[1] * 2)), block,
-                       scaled)
+    codes, scale_bits, tensor_scale, scaled = parts
+    return NVFP4Tensor(codes, scale_bits.view(torch.float8_e4m3fn), tensor_scale,
+                       torch.Size((codes.shape[0], codes.shape[1] * 2)), block, scaled)
 
 
 def quantize(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2M1_MAX, transpose=False, signs=None,
@@ -819,7 +825,7 @@ def requantize_ms_eden(q, signs, out_dtype=torch.bfloat16):
     """MS-EDEN of the transpose of a saved 1x16 NVFP4 tensor (the backward's re-quantization of X and W)."""
     check_nvfp4(q, "requantize_ms_eden", TILE)
     check_rotation(signs, (HADAMARD,), "requantize_ms_eden")
-    parts = torch.ops.nanoquartet.requantize_ms_eden(q.codes, q.group_scale, q.tensor_scale, signs,
+    parts = torch.ops.nanoquartet.requantize_ms_eden(q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, signs,
                                                      draw_seed(q.codes.device), out_dtype)
     return _nvfp4(parts, "1x16")
 
@@ -837,7 +843,7 @@ def save_for_backward(ctx, *items):
     tensors, layout = [], []
     for item in items:
         if isinstance(item, NVFP4Tensor):
-            tensors.extend(_parts(item))
+            tensors.extend((item.codes, item.group_scale, item.tensor_scale, item.scaled_codes))
             layout.append((item.shape, item.block))
         else:
             tensors.append(item)

@@ -34,6 +34,9 @@ The model is nanochat's original (October 2025) GPT, everything set by the depth
     MLP: relu(x W_fc^T)^2 W_proj^T. RMSNorm has no parameters; no linear layer has a bias.
     The embedding and lm_head are untied; the output projections (and lm_head) start at zero; the logits are
     soft-capped as 15 * tanh(logits / 15) in FP32. Vocabulary: GPT-2's 50257 tokens, padded to 50304 rows.
+Optimization follows nanochat: Muon for the 2-D block weights (momentum, then the update orthogonalized by 5
+Newton-Schulz iterations, which replace its singular values by ~1) and AdamW for the embedding and lm_head.
+
 The recipe applies to the six linear layers of every block (q, k, v, attention output, MLP in, MLP out); the
 embedding and lm_head stay BF16, as in the paper. The quantized recipes run q, k and v as one GEMM on their stacked
 weights, so that their common input is quantized once (one tensor scale for the three weights and for their three
@@ -135,13 +138,18 @@ class Linear(nn.Module):
         return linear(x, self.weight, self.recipe)
 
 
+def check_tokens(recipe, tokens):
+    """The quantized recipes rotate and quantize along the tokens too (dW = E^T X): T must be a multiple of 128."""
+    if recipe != "bf16" and tokens % HADAMARD:
+        raise ValueError(f"the {recipe} recipe needs the tokens per micro-batch (batch x sequence) to be a multiple "
+                         f"of {HADAMARD}, got {tokens}")
+
+
 def linear(x, weight, recipe):
     """x [..., in] @ weight^T through the recipe's three GEMMs, in the autocast dtype if autocast is on."""
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     tokens = x.reshape(-1, x.shape[-1]).to(dtype)  # [T, in]
-    if recipe != "bf16" and tokens.shape[0] % HADAMARD:
-        raise ValueError(f"the {recipe} recipe needs the tokens per micro-batch (batch x sequence) to be a multiple "
-                         f"of {HADAMARD}, got {tokens.shape[0]}")
+    check_tokens(recipe, tokens.shape[0])
     return RECIPES[recipe].apply(tokens, weight.to(dtype)).view(*x.shape[:-1], -1)
 
 
@@ -255,3 +263,59 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+
+
+# -----------------------------------------------------------------------------
+# The optimizers (nanochat's): Muon for the block matrices, AdamW for the embedding and lm_head
+
+
+def newton_schulz(g, steps=5):
+    """Approximately orthogonalize each matrix of g [..., rows, cols] (replace its singular values by ~1) with a
+    quintic Newton-Schulz iteration, in BF16 (Keller Jordan's coefficients, chosen to push singular values into
+    [0.7, 1.2] quickly)."""
+    a, b, c = 3.4445, -4.7750, 2.0315
+    x = g.bfloat16()
+    tall = x.shape[-2] > x.shape[-1]
+    x = x.mT if tall else x
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
+    for _ in range(steps):
+        s = x @ x.mT
+        x = a * x + (b * s + c * s @ s) @ x
+    return x.mT if tall else x
+
+
+class Muon(torch.optim.Optimizer):
+    """MomentUm Orthogonalized by Newton-Schulz, for 2-D weight matrices (nesterov momentum). The matrices of one
+    shape are orthogonalized together, as one batch: a few large launches instead of many small ones (the d12 model
+    has 72 matrices of 2 shapes). torch.optim.Muon computes the same update one matrix at a time."""
+
+    def __init__(self, params, lr=0.02, momentum=0.95):
+        super().__init__(params, dict(lr=lr, momentum=momentum))
+
+    @torch.no_grad()
+    def step(self):
+        for group in self.param_groups:
+            by_shape = {}
+            for p in group["params"]:
+                by_shape.setdefault(p.shape, []).append(p)
+            for (rows, cols), params in by_shape.items():
+                grads = [p.grad for p in params]
+                buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
+                torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
+                nesterov = torch.stack(grads).lerp_(torch.stack(buffers), group["momentum"])  # [n, rows, cols]
+                updates = newton_schulz(nesterov).to(params[0].dtype).unbind(0)
+                torch._foreach_add_(params, updates, alpha=-group["lr"] * max(1, rows / cols) ** 0.5)
+
+
+def make_optimizers(model, lr_matrix, lr_embedding, lr_head):
+    """(AdamW for the embedding and lm_head, Muon for the block matrices), with nanochat's learning rates; each
+    group remembers its initial_lr for the schedule."""
+    scale = (model.width / 768) ** -0.5  # nanochat's AdamW learning rates are tuned at width 768
+    adamw = torch.optim.AdamW([dict(params=[model.embedding.weight], lr=lr_embedding * scale),
+                               dict(params=[model.lm_head.weight], lr=lr_head * scale)],
+                              betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=model.embedding.weight.is_cuda)
+    muon = Muon(model.matrix_parameters(), lr=lr_matrix)
+    for optimizer in (adamw, muon):
+        for group in optimizer.param_groups:
+            group["initial_lr"] = group["lr"]
+    return adamw, muon

@@ -6,42 +6,43 @@ Pre-train the Nanochat GPT on FineWeb-Edu, once per recipe (BF16, Quartet II, ..
     python train.py --data hf --preset d20        # stream HuggingFaceFW/fineweb-edu (needs the network)
     torchrun --nproc_per_node=8 train.py          # several GPUs (DDP)
 
-Every recipe trains from the same seed on the same data order. At the end a table compares the final validation
-bits per byte, the gap to BF16, tokens per second and peak memory; OUT/metrics.jsonl has every step, OUT/summary.json
-the table, OUT/loss.png the curves (with matplotlib).
+Every recipe trains from the same seed on the same data order; a table compares the final validation bits per
+byte, the gap to BF16, tokens per second and peak memory (OUT/summary.json; every step in OUT/metrics.jsonl, the
+curves in OUT/loss.png with matplotlib).
 
-Data. Documents are tokenized with GPT-2's BPE (tiktoken, built from data/gpt2.tiktoken, no network), each followed
-by the end-of-text token, concatenated, and cut into windows of seq_len + 1 tokens (inputs and targets shifted by
-one). The bundled data is 4,788 training and 253 validation documents of FineWeb-Edu (ODC-By 1.0); training repeats
-it in a new shuffled order each epoch. With --data hf the documents stream through Hugging Face `datasets` and the
-first --val-docs documents form the validation split.
+Data. Documents are tokenized with GPT-2's BPE (tiktoken, from data/gpt2.tiktoken, no network), each followed by the
+end-of-text token, concatenated, and cut into windows of seq_len + 1 tokens (inputs and targets shifted by one). The
+bundled sample is 4,788 training and 253 validation documents of FineWeb-Edu (ODC-By 1.0), repeated in a new order
+each epoch; with --data hf the documents stream through Hugging Face `datasets` and the first --val-docs of them are
+the validation split. A step accumulates gradients until it has seen --batch-tokens tokens (across all GPUs); on a
+GPU the micro-batch is the preset's, halved until it fits. The learning rate warms up, stays, and decays linearly to
+0 over the last --warmdown of the steps (optimizers: model.py).
 
-Optimization (nanochat's recipe). Muon for the 2-D block weights: momentum, then the update is orthogonalized by 5
-Newton-Schulz iterations (it replaces the update's singular values by ~1). AdamW for the embedding and lm_head. The
-learning rate follows warmup-stable-decay: linear warmup, constant, then linear decay to 0 over the last
---warmdown fraction of the steps. A step accumulates gradients over micro-batches until it has seen --batch-tokens
-tokens (across all GPUs).
+Evaluation. Bits per byte = sum of target-token losses / (ln 2 * sum of the target tokens' UTF-8 bytes), end-of-text
+excluded from both: a tokenizer-independent measure of compression.
 
-Evaluation. Bits per byte = sum of target-token losses / (ln 2 * sum of the target tokens' UTF-8 bytes), with the
-end-of-text token excluded from both sums: a tokenizer-independent measure of compression.
-
-Safety. A checkpoint is written every --checkpoint-every steps and at the end, to a temporary file renamed over the
-old one (a crash never leaves half a checkpoint). --resume continues each recipe exactly: same data position,
-optimizer state and random state. A non-finite loss (or weights) stops the run, naming the step, and keeps the last
-good checkpoint.
+Runs never lose work. OUT/run.json names the run (an id and the flags that define it); a lock keeps a second run out
+of OUT. Each recipe's checkpoint is written every --checkpoint-every steps and at the end, atomically, with a
+checksum of its contents. --resume continues every recipe exactly (data position, optimizer state, every GPU's
+random state), refuses a checkpoint of another run or changed flags that define the run, and extends a finished run
+given a larger --steps. A non-finite loss stops the run, naming the step; the last good checkpoint stays.
 """
 
 import argparse
 import contextlib
 import glob
 import gzip
+import hashlib
+import io
 import itertools
 import json
 import math
 import os
 import random
+import socket
 import sys
 import time
+import uuid
 
 import numpy as np
 import tiktoken
@@ -49,15 +50,14 @@ import torch
 import torch.distributed as dist
 from tiktoken.load import load_tiktoken_bpe
 
-from model import GPT, RECIPES
+from model import GPT, GPT2_VOCAB, RECIPES, check_tokens, make_optimizers
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 EOT = 50256
-# torch.compile's mode for the model, the same for every recipe. "reduce-overhead" adds CUDA graphs; measured on an
-# H200 it did not pay (NOTES.md), so the default mode it is.
+# torch.compile's mode, the same for every recipe: "reduce-overhead" (CUDA graphs) failed with gradient accumulation
+# on the H200 (NOTES.md), so the default mode it is.
 COMPILE_MODE = "default"
-
 # Presets: a flat set of defaults per size; any flag given on the command line wins.
 PRESETS = {
     "tiny": dict(depth=2, seq_len=128, device_batch=8, batch_tokens=1024, steps=40, eval_every=20,
@@ -69,10 +69,13 @@ PRESETS = {
     "d20": dict(depth=20, seq_len=2048, device_batch=32, batch_tokens=524288, steps=2000, eval_every=250,
                 eval_tokens=1048576),
 }
+# The flags that define a run: --resume refuses to change them (--steps may grow: that extends the run).
+RUN_FLAGS = ("depth", "seq_len", "batch_tokens", "warmup_steps", "warmdown", "lr_matrix", "lr_embedding", "lr_head",
+             "eval_tokens", "data", "hf_dataset", "hf_config", "hf_files", "val_docs", "dtype", "seed")
 
 
 class TrainingError(Exception):
-    """A problem the user can fix (bad flags, missing data): reported in one line, without a traceback."""
+    """A problem the user can fix (bad flags, missing data, a damaged checkpoint): one line, no traceback."""
 
 
 # -----------------------------------------------------------------------------
@@ -92,24 +95,32 @@ def tokenize(tokenizer, texts):
 
 
 def local_texts(split, data_dir=DATA_DIR):
-    """The bundled FineWeb-Edu sample: a list of texts."""
+    """The bundled FineWeb-Edu sample: a list of texts (gzipped JSON lines with a "text" field)."""
     files = sorted(glob.glob(os.path.join(data_dir, f"fineweb_edu_{split}_*.jsonl.gz")))
     if not files:
         raise TrainingError(f"no {split} data: {data_dir}/fineweb_edu_{split}_*.jsonl.gz not found "
                             f"(the sample ships in data/; or use --data hf)")
     texts = []
     for name in files:
-        with gzip.open(name, "rt", encoding="utf-8") as f:
-            texts.extend(json.loads(line)["text"] for line in f)
+        try:
+            with gzip.open(name, "rt", encoding="utf-8") as f:
+                texts.extend(json.loads(line)["text"] for line in f)
+        except (OSError, EOFError, ValueError, KeyError, TypeError) as error:
+            raise TrainingError(f"{name} is not gzipped JSON lines with a \"text\" field ({type(error).__name__}: "
+                                f"{error}); restore it from the repository") from None
     return texts
 
 
 def streamed_texts(path, name=None, data_files=None, skip=0):
     """Texts streamed through Hugging Face `datasets` (a hub dataset, or local files with path="json")."""
     import datasets
-    stream = datasets.load_dataset(path, name=name, data_files=data_files, split="train", streaming=True)
-    for row in stream.skip(skip) if skip else stream:
-        yield row["text"]
+    try:
+        stream = datasets.load_dataset(path, name=name, data_files=data_files, split="train", streaming=True)
+        for row in stream.skip(skip) if skip else stream:
+            yield row["text"]
+    except (OSError, ValueError, KeyError, ConnectionError) as error:
+        raise TrainingError(f"could not stream {path} ({type(error).__name__}: {str(error)[:200]}); --data hf "
+                            f"needs the network, or local files with --hf-dataset json --hf-files ...") from None
 
 
 class Windows:
@@ -174,8 +185,8 @@ def data_sources(args, tokenizer):
 
 def validation_windows(documents, seq_len, count, multiple=1):
     """The first `count` windows of the validation documents (fewer if they run out), a multiple of `multiple` of
-    them (so that every evaluation batch is full: quantized recipes need whole multiples of 128 tokens, and a
-    compiled model one batch shape): a fixed set."""
+    them (every evaluation batch full: quantized recipes need whole multiples of 128 tokens, a compiled model one
+    batch shape): a fixed set."""
     tokens = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)
     count = min(count, len(tokens) // (seq_len + 1)) // multiple * multiple
     if count == 0:
@@ -199,117 +210,26 @@ def bpb_sums(losses, targets, bytes_per_token):
 
 
 # -----------------------------------------------------------------------------
-# Optimizer
+# Processes, schedule, compilation
 
 
-def newton_schulz(g, steps=5):
-    """Approximately orthogonalize each matrix of g [..., rows, cols] (replace its singular values by ~1) with a
-    quintic Newton-Schulz iteration, in BF16 (Keller Jordan's coefficients, chosen to push singular values into
-    [0.7, 1.2] quickly)."""
-    a, b, c = 3.4445, -4.7750, 2.0315
-    x = g.bfloat16()
-    tall = x.shape[-2] > x.shape[-1]
-    x = x.mT if tall else x
-    x = x / (x.norm(dim=(-2, -1), keepdim=True) + 1e-7)  # spectral norm <= Frobenius norm <= 1
-    for _ in range(steps):
-        s = x @ x.mT
-        x = a * x + (b * s + c * s @ s) @ x
-    return x.mT if tall else x
-
-
-class Muon(torch.optim.Optimizer):
-    """MomentUm Orthogonalized by Newton-Schulz, for 2-D weight matrices (nesterov momentum). The matrices of one
-    shape are orthogonalized together, as one batch: a few large launches instead of many small ones (the d12 model
-    has 72 matrices of 2 shapes). torch.optim.Muon computes the same update one matrix at a time."""
-
-    def __init__(self, params, lr=0.02, momentum=0.95):
-        super().__init__(params, dict(lr=lr, momentum=momentum))
-
-    @torch.no_grad()
-    def step(self):
-        for group in self.param_groups:
-            by_shape = {}
-            for p in group["params"]:
-                by_shape.setdefault(p.shape, []).append(p)
-            for (rows, cols), params in by_shape.items():
-                grads = [p.grad for p in params]
-                buffers = [self.state[p].setdefault("momentum_buffer", torch.zeros_like(p)) for p in params]
-                torch._foreach_lerp_(buffers, grads, 1 - group["momentum"])
-                nesterov = torch.stack(grads).lerp_(torch.stack(buffers), group["momentum"])  # [n, rows, cols]
-                updates = newton_schulz(nesterov).to(params[0].dtype).unbind(0)
-                torch._foreach_add_(params, updates, alpha=-group["lr"] * max(1, rows / cols) ** 0.5)
-
-
-def compile_model(model, mode=COMPILE_MODE):
-    """torch.compile the whole model as one graph: fullgraph, so that a graph break is an error, not a slowdown."""
-    return torch.compile(model, fullgraph=True, dynamic=False, mode=mode)
-
-
-def make_optimizers(model, args):
-    scale = (model.width / 768) ** -0.5  # nanochat's AdamW learning rates are tuned at width 768
-    adamw = torch.optim.AdamW([dict(params=[model.embedding.weight], lr=args.lr_embedding * scale),
-                               dict(params=[model.lm_head.weight], lr=args.lr_head * scale)],
-                              betas=(0.8, 0.95), eps=1e-10, weight_decay=0.0, fused=model.embedding.weight.is_cuda)
-    muon = Muon(model.matrix_parameters(), lr=args.lr_matrix)
-    for optimizer in (adamw, muon):
-        for group in optimizer.param_groups:
-            group["initial_lr"] = group["lr"]
-    return [adamw, muon]
-
-
-def lr_multiplier(step, steps, warmup, warmdown):
-    """Warmup-stable-decay: 0 -> 1 over `warmup` steps, 1, then linearly to 0 over the last `warmdown` fraction."""
-    if step < warmup:
-        return (step + 1) / warmup
-    decay_start = steps * (1 - warmdown)
-    return 1.0 if step < decay_start else max(0.0, (steps - step) / (steps - decay_start))
-
-
-# -----------------------------------------------------------------------------
-# Checkpoints
-
-
-def save_checkpoint(path, state):
-    """Write to a temporary file, then rename over the old checkpoint: a crash never leaves half a file."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    temporary = path + ".tmp"
-    torch.save(state, temporary)
-    os.replace(temporary, path)
-
-
-def check_finite(model, recipe, step, checkpoint_path):
-    """Refuse to checkpoint non-finite weights (the last good checkpoint stays)."""
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise TrainingError(f"[{recipe}] non-finite weights at step {step}; stopping. The last good checkpoint "
-                            f"(if any) is kept at {checkpoint_path}")
-
-
-def rng_state():
-    return dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [])
-
-
-def set_rng_state(state):
-    torch.set_rng_state(state["cpu"])
-    if state["cuda"]:
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
-# -----------------------------------------------------------------------------
-# Training one recipe
-
-
-class Context:
-    """Where this process runs: device, DDP rank and world size."""
+class Processes:
+    """This process's device and rank, and the number of processes (DDP under torchrun; else one)."""
 
     def __init__(self, device):
         self.distributed = "RANK" in os.environ
-        self.rank = int(os.environ.get("RANK", 0))
-        self.world = int(os.environ.get("WORLD_SIZE", 1))
+        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         local_rank = int(os.environ.get("LOCAL_RANK", 0))
         if device == "auto":
-            device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
-        self.device = torch.device(device)
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        try:
+            self.device = torch.device(device)
+        except RuntimeError:
+            raise TrainingError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
         if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise TrainingError(f"--device {device} asked for, but PyTorch sees no CUDA GPU")
+            self.device = torch.device("cuda", local_rank if self.device.index is None else self.device.index)
             torch.cuda.set_device(self.device)
         if self.distributed and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
@@ -323,156 +243,328 @@ class Context:
             dist.all_reduce(tensor)
         return tensor
 
+    def gather(self, value):
+        """[rank 0's value, rank 1's, ...] on every rank."""
+        values = [value]
+        if self.distributed:
+            values = [None] * self.world
+            dist.all_gather_object(values, value)
+        return values
 
-def evaluate(model, windows, bytes_per_token, ctx, args, dtype):
+
+def lr_multiplier(step, steps, warmup, warmdown):
+    """Warmup-stable-decay: 0 -> 1 over `warmup` steps, 1, then linearly to 0 over the last `warmdown` fraction."""
+    if step < warmup:
+        return (step + 1) / warmup
+    decay_start = steps * (1 - warmdown)
+    return 1.0 if step < decay_start else max(0.0, (steps - step) / (steps - decay_start))
+
+
+def compile_model(model, mode=COMPILE_MODE):
+    """torch.compile the whole model as one graph: fullgraph, so that a graph break is an error, not a slowdown."""
+    return torch.compile(model, fullgraph=True, dynamic=False, mode=mode)
+
+
+# -----------------------------------------------------------------------------
+# The run directory: run.json, a lock, checksummed checkpoints, metrics
+
+
+def write_atomically(path, write):
+    """write(a temporary name of this process), then rename it over path: a crash never leaves half a file."""
+    temporary = f"{path}.{os.getpid()}.tmp"
+    write(temporary)
+    os.replace(temporary, path)
+
+
+def lock(out):
+    """Take OUT/.lock, or refuse while a live process holds it. Returns the function that releases it."""
+    path, me = os.path.join(out, ".lock"), f"{os.getpid()}@{socket.gethostname()}"
+    for _ in range(2):
+        try:
+            with open(path, "x") as f:  # "x": created only if it does not exist, atomically
+                f.write(me)
+            return lambda: os.remove(path)
+        except FileExistsError:
+            holder = open(path).read().strip()
+            pid, _, host = holder.partition("@")
+            if host != socket.gethostname() or not pid.isdigit() or alive(int(pid)):
+                raise TrainingError(f"{out} is in use by another run ({holder}); wait for it or use another --out")
+            os.remove(path)  # left behind by a process that died: take it over
+    raise TrainingError(f"could not lock {out}")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)  # signal 0: only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # it exists, as another user's
+        pass
+    return True
+
+
+def open_run(args, processes):
+    """The run's id: a new one written to OUT/run.json (which must not hold a run, unless --overwrite), or with
+    --resume the one in OUT/run.json, whose flags must be the ones given."""
+    path = os.path.join(args.out, "run.json")
+    flags = {name: getattr(args, name) for name in RUN_FLAGS} | dict(world=processes.world)
+    if not args.resume:
+        if os.path.exists(path) and not args.overwrite:
+            raise TrainingError(f"{args.out} holds a run: continue it with --resume, replace it with --overwrite, or "
+                                f"use another --out")
+        run = dict(run_id=processes.gather(uuid.uuid4().hex)[0], flags=flags)
+        if processes.rank == 0:
+            for stale in glob.glob(os.path.join(args.out, "*", "checkpoint.pt")) + [metrics_path(args.out)]:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(stale)
+            write_atomically(path, lambda name: json.dump(run, open(name, "w"), indent=1))
+        return run["run_id"]
+    try:
+        run = json.load(open(path))
+    except FileNotFoundError:
+        raise TrainingError(f"nothing to resume: {path} not found (start without --resume)") from None
+    except (OSError, ValueError) as error:
+        raise TrainingError(f"{path} is unreadable ({error}); restore it or start over with --overwrite") from None
+    changed = [f"--{name.replace('_', '-')} {run['flags'].get(name)!r} -> {value!r}" for name, value in flags.items()
+               if run["flags"].get(name) != value]
+    if changed:
+        raise TrainingError(f"--resume cannot change flags that define the run: {', '.join(changed)}")
+    return run["run_id"]
+
+
+def save_checkpoint(path, state):
+    """torch.save's bytes of the state, and their SHA-256, in one file written atomically."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_atomically(path, lambda name: torch.save(dict(payload=payload, sha256=hashlib.sha256(
+        payload.numpy()).hexdigest()), name))
+
+
+def load_checkpoint(path, run_id):
+    """The checkpoint at path, checked: plain data (weights_only, so no code runs), intact, and of this run."""
+    try:
+        outer = torch.load(path, map_location="cpu", weights_only=True)
+        intact = hashlib.sha256(outer["payload"].numpy()).hexdigest() == outer["sha256"]
+        state = torch.load(io.BytesIO(outer["payload"].numpy().tobytes()), map_location="cpu", weights_only=True)
+    except Exception as error:  # an empty, truncated or foreign file fails in many ways
+        raise TrainingError(f"checkpoint {path} is unreadable ({type(error).__name__}); delete it to restart that "
+                            f"recipe") from None
+    if not intact:
+        raise TrainingError(f"checkpoint {path} is corrupt (its checksum does not match); delete it to restart")
+    if state["run_id"] != run_id:
+        raise TrainingError(f"checkpoint {path} belongs to another run; delete it, or use another --out")
+    return state
+
+
+def rng_state(device):
+    return dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None)
+
+
+def metrics_path(out):
+    return os.path.join(out, "metrics.jsonl")
+
+
+def read_metrics(out):
+    """The records of OUT/metrics.jsonl; a partial line (a crash while writing) is skipped."""
+    records = []
+    for line in open(metrics_path(out)) if os.path.exists(metrics_path(out)) else []:
+        with contextlib.suppress(ValueError):
+            records.append(json.loads(line))
+    return records
+
+
+def keep_metrics(out, recipe, step):
+    """Drop the recipe's records after `step` (a resumed run writes them again) and partial lines."""
+    kept = [r for r in read_metrics(out) if r["recipe"] != recipe or r["step"] <= step]
+    write_atomically(metrics_path(out), lambda name: open(name, "w").writelines(json.dumps(r) + "\n" for r in kept))
+
+
+# -----------------------------------------------------------------------------
+# Training one recipe
+
+
+def fit_device_batch(model, args, processes):
+    """The largest micro-batch, from the preset's down by halves, whose forward + backward fits in 90% of the GPU's
+    memory (the rest is for the optimizer's state); every rank takes the smallest of their choices."""
+    batch = args.device_batch
+    torch.cuda.set_per_process_memory_fraction(0.9, processes.device)
+    while True:
+        try:
+            tokens = torch.randint(0, model.vocab_size, (batch, args.seq_len + 1), device=processes.device)
+            with torch.autocast("cuda", dtype=getattr(torch, args.dtype)):
+                model(tokens[:, :-1], tokens[:, 1:]).backward()
+            break
+        except torch.cuda.OutOfMemoryError:
+            if batch == 1 or args.batch_tokens % (args.seq_len * batch // 2 * processes.world) or (
+                    args.seq_len * batch // 2) % 128 and args.recipes != ["bf16"]:
+                raise TrainingError(f"a micro-batch of {batch} x {args.seq_len} tokens does not fit in the GPU's "
+                                    f"memory, nor does a smaller one; use a smaller --seq-len or model") from None
+            batch //= 2
+        finally:
+            model.zero_grad(set_to_none=True)
+            torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(1.0, processes.device)
+    return min(processes.gather(batch))
+
+
+def evaluate(model, windows, bytes_per_token, processes, args):
     """Validation bits per byte over the fixed validation windows (each rank takes a share)."""
     model.eval()
-    loss_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    byte_sum = torch.zeros((), dtype=torch.float64, device=ctx.device)
-    mine = windows[ctx.rank::ctx.world]
-    bytes_per_token = bytes_per_token.to(ctx.device)
-    with torch.no_grad(), torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32):
-        for batch in mine.split(args.device_batch):
-            batch = batch.to(ctx.device)
-            torch.compiler.cudagraph_mark_step_begin()
+    device, dtype = processes.device, getattr(torch, args.dtype)
+    sums = torch.zeros(2, dtype=torch.float64, device=device)  # losses, bytes
+    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        for batch in windows[processes.rank::processes.world].split(args.device_batch):
+            batch = batch.to(device)
             losses = model(batch[:, :-1], batch[:, 1:], reduction="none")
-            losses_counted, bytes_counted = bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token)
-            loss_sum += losses_counted
-            byte_sum += bytes_counted
+            sums += torch.stack(bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token.to(device)))
     model.train()
-    return (ctx.all_sum(loss_sum) / (math.log(2) * ctx.all_sum(byte_sum))).item()
+    loss_sum, byte_sum = processes.all_sum(sums).tolist()
+    return loss_sum / (math.log(2) * byte_sum)
 
 
-def train_recipe(recipe, args, ctx, data, log_file):
-    """Train one recipe from scratch (or from its checkpoint); return its row of the summary table."""
-    documents, validation, bytes_per_token = data
-    dtype = getattr(torch, args.dtype)
-    checkpoint_path = os.path.join(args.out, recipe, "checkpoint.pt")
-    checkpoint = torch.load(checkpoint_path, weights_only=False) if args.resume and os.path.exists(
-        checkpoint_path) else None
+class Recipe:
+    """One recipe's training: model, optimizers, data position and history, from scratch or from its checkpoint."""
 
-    torch.manual_seed(args.seed)  # the same initial weights for every recipe and rank
-    model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(ctx.device)
-    optimizers = make_optimizers(model, args)
-    windows = Windows(documents, args.seq_len, checkpoint and checkpoint["data"])
-    torch.manual_seed(args.seed + 1 + ctx.rank)  # quantization randomness differs across ranks, reproducibly
-    start, history = 0, dict(tokens_per_s=[], final_bpb=None)
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        for optimizer, state in zip(optimizers, checkpoint["optimizers"]):
-            optimizer.load_state_dict(state)
-        set_rng_state(checkpoint["rng"])
-        start, history = checkpoint["step"], checkpoint["history"]
-        ctx.log(f"[{recipe}] resumed from {checkpoint_path} at step {start}")
-    trained = compile_model(model) if args.compile else model
-    if ctx.distributed:
-        trained = torch.nn.parallel.DistributedDataParallel(trained, device_ids=[ctx.device.index]
-                                                            if ctx.device.type == "cuda" else None)
+    def __init__(self, recipe, args, processes, documents, run_id):
+        self.name, self.args, self.processes, self.run_id = recipe, args, processes, run_id
+        self.path = os.path.join(args.out, recipe, "checkpoint.pt")
+        checkpoint = load_checkpoint(self.path, run_id) if args.resume and os.path.exists(self.path) else None
+        self.start = checkpoint["step"] if checkpoint else 0
+        if self.start > args.steps:
+            raise TrainingError(f"[{recipe}] --steps {args.steps} is below its checkpoint's step {self.start}: a run "
+                                f"can be extended, not shortened")
+        device = processes.device
+        torch.manual_seed(args.seed)  # the same initial weights for every recipe and rank
+        self.model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(device)
+        self.compiled = compile_model(self.model) if args.compile else self.model
+        if args.fit_device_batch:
+            args.device_batch = fit_device_batch(self.compiled, args, processes)
+            processes.log(f"[{recipe}] micro-batch of {args.device_batch} x {args.seq_len} tokens (fits this GPU)")
+        self.adamw, self.muon = make_optimizers(self.model, args.lr_matrix, args.lr_embedding, args.lr_head)
+        self.windows = Windows(documents, args.seq_len, checkpoint and checkpoint["data"])
+        torch.manual_seed(args.seed + 1 + processes.rank)  # quantization randomness differs across ranks
+        self.history = dict(tokens_per_s=[], final_bpb=None, peak_memory_gb=None)
+        if checkpoint:
+            self.model.load_state_dict(checkpoint["model"])
+            self.adamw.load_state_dict(checkpoint["adamw"])
+            self.muon.load_state_dict(checkpoint["muon"])
+            rng = checkpoint["rng"][processes.rank]
+            torch.set_rng_state(rng["cpu"])
+            if device.type == "cuda":
+                torch.cuda.set_rng_state(rng["cuda"], device)
+            self.history = checkpoint["history"]
+            processes.log(f"[{recipe}] resumed from {self.path} at step {self.start}")
+        if processes.rank == 0:
+            keep_metrics(args.out, recipe, self.start)
+        self.trained = self.compiled if not processes.distributed else torch.nn.parallel.DistributedDataParallel(
+            self.compiled, device_ids=[device.index] if device.type == "cuda" else None)
 
-    def checkpoint_state(step):
-        return dict(model=model.state_dict(), optimizers=[o.state_dict() for o in optimizers], data=windows.state_dict(),
-                    rng=rng_state(), step=step, history=history, recipe=recipe, args=vars(args))
-
-    windows_per_step = args.batch_tokens // args.seq_len
-    accumulation = windows_per_step // (args.device_batch * ctx.world)
-    tokens_per_step = windows_per_step * args.seq_len
-    if ctx.device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(ctx.device)
-    began = time.time()
-    for step in range(start, args.steps):
+    def step(self, step):
+        """One optimizer step over --batch-tokens tokens; returns the mean loss."""
+        args, processes, device = self.args, self.processes, self.processes.device
         multiplier = lr_multiplier(step, args.steps, args.warmup_steps, args.warmdown)
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["lr"] = group["initial_lr"] * multiplier
-        optimizers[1].param_groups[0]["momentum"] = 0.85 + 0.10 * min(step / 300, 1)  # Muon momentum warmup
-        batch = windows.next_batch(windows_per_step)[ctx.rank::ctx.world]  # this rank's share of the step
-        tic = time.time()
-        loss_sum = torch.zeros((), device=ctx.device)
-        for micro, chunk in enumerate(batch.split(args.device_batch)):
-            chunk = chunk.to(ctx.device)
-            sync = micro == accumulation - 1 or not ctx.distributed
-            with contextlib.nullcontext() if sync else trained.no_sync():  # all-reduce on the last only
-                torch.compiler.cudagraph_mark_step_begin()  # with CUDA graphs: the previous outputs are consumed
-                with torch.autocast(ctx.device.type, dtype=dtype, enabled=dtype != torch.float32):
-                    loss = trained(chunk[:, :-1], chunk[:, 1:])
-                (loss / accumulation).backward()
+        for group in self.adamw.param_groups + self.muon.param_groups:
+            group["lr"] = group["initial_lr"] * multiplier
+        self.muon.param_groups[0]["momentum"] = 0.85 + 0.10 * min(step / 300, 1)  # Muon's momentum warms up
+        batch = self.windows.next_batch(args.batch_tokens // args.seq_len)[processes.rank::processes.world]
+        if device.type == "cuda":  # the step's windows in one copy that does not stop the host
+            batch = batch.pin_memory().to(device, non_blocking=True)
+        micro_batches = batch.split(args.device_batch)
+        dtype = getattr(torch, args.dtype)
+        loss_sum = torch.zeros((), device=device)
+        for micro, chunk in enumerate(micro_batches):
+            last = micro == len(micro_batches) - 1  # DDP all-reduces the gradients on the last micro-batch only
+            with contextlib.nullcontext() if last or not processes.distributed else self.trained.no_sync():
+                with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                    loss = self.trained(chunk[:, :-1], chunk[:, 1:])
+                (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
-        loss_value = ctx.all_sum(loss_sum).item() / (accumulation * ctx.world)
-        if not math.isfinite(loss_value):
-            raise TrainingError(f"[{recipe}] non-finite loss ({loss_value}) at step {step + 1}; stopping. The last "
-                                f"good checkpoint (if any) is kept at {checkpoint_path}")
-        for optimizer in optimizers:
-            optimizer.step()
-        model.zero_grad(set_to_none=True)
-        if ctx.device.type == "cuda":
-            torch.cuda.synchronize(ctx.device)
+        loss = processes.all_sum(loss_sum).item() / (len(micro_batches) * processes.world)
+        if not math.isfinite(loss):
+            raise TrainingError(f"[{self.name}] non-finite loss ({loss}) at step {step + 1}; stopping. The last "
+                                f"good checkpoint (if any) is kept at {self.path}")
+        self.adamw.step()
+        self.muon.step()
+        self.model.zero_grad(set_to_none=True)
+        return loss, multiplier
+
+    def save(self, step):
+        rng = self.processes.gather(rng_state(self.processes.device))  # every rank's, each resumes its own
+        if not all(torch.isfinite(p).all() for p in self.model.parameters()):
+            raise TrainingError(f"[{self.name}] non-finite weights at step {step}; stopping. The last good "
+                                f"checkpoint (if any) is kept at {self.path}")
+        if self.processes.rank == 0:
+            save_checkpoint(self.path, dict(run_id=self.run_id, step=step, model=self.model.state_dict(),
+                                            adamw=self.adamw.state_dict(), muon=self.muon.state_dict(),
+                                            data=self.windows.state_dict(), rng=rng, history=self.history))
+
+
+def train_recipe(recipe, args, processes, data, run_id):
+    """Train one recipe from scratch or from its checkpoint; return its row of the summary table (None if it
+    stopped early with --stop-after)."""
+    documents, validation, bytes_per_token = data
+    training, device, losses = Recipe(recipe, args, processes, documents, run_id), processes.device, []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    began = time.time()
+    for step in range(training.start, args.steps):
+        tic = time.time()
+        loss, multiplier = training.step(step)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            training.history["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
         seconds = time.time() - tic
-        tokens_per_s = tokens_per_step / seconds
-        if step - start >= 3:  # leave compilation and warm-up out of the throughput
-            history["tokens_per_s"].append(tokens_per_s)
-        remaining = (time.time() - began) / (step + 1 - start) * (args.steps - step - 1)
-        ctx.log(f"[{recipe}] step {step + 1:5d}/{args.steps} | loss {loss_value:.4f} | lr x{multiplier:.2f} | "
-                f"{seconds * 1000:7.1f} ms | {tokens_per_s:,.0f} tok/s | eta {remaining / 60:.1f} min")
-        record = dict(recipe=recipe, step=step + 1, loss=loss_value, lr_multiplier=multiplier, tokens_per_s=tokens_per_s)
+        if step - training.start >= 3:  # compilation and warm-up stay out of the throughput
+            training.history["tokens_per_s"].append(args.batch_tokens / seconds)
+        losses.append(loss)
+        remaining = (time.time() - began) / (step + 1 - training.start) * (args.steps - step - 1)
+        processes.log(f"[{recipe}] step {step + 1:5d}/{args.steps} | loss {loss:.4f} | lr x{multiplier:.2f} | "
+                      f"{seconds * 1000:7.1f} ms | {args.batch_tokens / seconds:,.0f} tok/s | eta {remaining / 60:.1f} min")
+        record = dict(run_id=run_id, recipe=recipe, step=step + 1, loss=loss, lr_multiplier=multiplier,
+                      tokens_per_s=args.batch_tokens / seconds)
         done = step + 1 == args.steps
         if (step + 1) % args.eval_every == 0 or done:
-            record["val_bpb"] = evaluate(trained, validation, bytes_per_token, ctx, args, dtype)
-            ctx.log(f"[{recipe}] step {step + 1}: validation bpb {record['val_bpb']:.4f}")
-            history["final_bpb"] = record["val_bpb"]
-        if ctx.rank == 0:
-            log_file.write(json.dumps(record) + "\n")
-            log_file.flush()
-        stopping = bool(args.stop_after) and step + 1 - start >= args.stop_after
-        if not done and ((step + 1) % args.checkpoint_every == 0 or stopping):
-            check_finite(model, recipe, step + 1, checkpoint_path)
-            if ctx.rank == 0:
-                save_checkpoint(checkpoint_path, checkpoint_state(step + 1))
+            bpb = evaluate(training.trained, validation, bytes_per_token, processes, args)
+            record["val_bpb"] = training.history["final_bpb"] = bpb
+            processes.log(f"[{recipe}] step {step + 1}: validation bpb {bpb:.4f}")
+        if processes.rank == 0:
+            with open(metrics_path(args.out), "a") as f:
+                f.write(json.dumps(record) + "\n")
+        stopping = args.stop_after and step + 1 - training.start >= args.stop_after
+        if done or (step + 1) % args.checkpoint_every == 0 or stopping:
+            training.save(step + 1)
         if stopping and not done:
-            ctx.log(f"[{recipe}] stopping after {args.stop_after} steps as asked; continue with --resume")
+            processes.log(f"[{recipe}] stopped after {args.stop_after} steps as asked; continue with --resume")
             return None
-    if "row" not in history:  # finished just now (a resumed, finished recipe returns its stored row)
-        throughput = history["tokens_per_s"]
-        history["row"] = dict(
-            recipe=recipe, val_bpb=history["final_bpb"], steps=args.steps, tokens=args.steps * tokens_per_step,
-            tokens_per_s=sum(throughput) / len(throughput) if throughput else float("nan"),
-            peak_memory_gb=torch.cuda.max_memory_allocated(ctx.device) / 1e9 if ctx.device.type == "cuda" else None)
-        check_finite(model, recipe, args.steps, checkpoint_path)
-        if ctx.rank == 0:
-            save_checkpoint(checkpoint_path, checkpoint_state(args.steps))
-    return history["row"]
+    if len(losses) >= 20 and min(losses[-5:]) > 0.99 * math.log(GPT2_VOCAB):
+        raise TrainingError(f"[{recipe}] the model did not learn (the loss stayed at ln(vocabulary) = "
+                            f"{math.log(GPT2_VOCAB):.2f}); lower the learning rates")
+    throughput = training.history["tokens_per_s"]
+    return dict(recipe=recipe, val_bpb=training.history["final_bpb"], steps=args.steps,
+                tokens=args.steps * args.batch_tokens, peak_memory_gb=training.history["peak_memory_gb"],
+                tokens_per_s=sum(throughput) / len(throughput) if throughput else float("nan"))
 
 
 # -----------------------------------------------------------------------------
 # The comparison
 
 
-def summarize(rows, ctx, args):
+def summarize(rows, processes, args):
     baseline = next((r["val_bpb"] for r in rows if r["recipe"] == "bf16"), None)
+    processes.log(f"\n{'recipe':<10}{'val bpb':>10}{'gap to bf16':>13}{'tokens/s':>12}{'peak memory':>13}")
     for r in rows:
         r["gap_pct"] = 100 * (r["val_bpb"] / baseline - 1) if baseline and r["val_bpb"] else None
-    ctx.log(f"\n{'recipe':<10}{'val bpb':>10}{'gap to bf16':>13}{'tokens/s':>12}{'peak memory':>13}")
-    for r in rows:
         gap = f"{r['gap_pct']:+.2f}%" if r["gap_pct"] is not None else "-"
         memory = f"{r['peak_memory_gb']:.1f} GB" if r["peak_memory_gb"] is not None else "-"
-        ctx.log(f"{r['recipe']:<10}{r['val_bpb']:>10.4f}{gap:>13}{r['tokens_per_s']:>12,.0f}{memory:>13}")
-    device = torch.cuda.get_device_name(ctx.device) if ctx.device.type == "cuda" else "cpu"
-    summary = dict(rows=rows, device=device, world_size=ctx.world, date=time.strftime("%Y-%m-%d"), args=vars(args),
-                   emulated_nvfp4=not (ctx.device.type == "cuda" and torch.cuda.get_device_capability(ctx.device)[0] >= 10))
-    with open(os.path.join(args.out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=1)
+        processes.log(f"{r['recipe']:<10}{r['val_bpb']:>10.4f}{gap:>13}{r['tokens_per_s']:>12,.0f}{memory:>13}")
+    device = processes.device
+    summary = dict(rows=rows, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   world_size=processes.world, date=time.strftime("%Y-%m-%d"), args=vars(args),
+                   emulated_nvfp4=not (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10))
+    write_atomically(os.path.join(args.out, "summary.json"), lambda name: json.dump(summary, open(name, "w"), indent=1))
     plot(args.out)
-
-
-def metrics_file(args):
-    """OUT/metrics.jsonl, ready for appending: a fresh (not resumed) run drops the earlier records of the recipes it
-    is about to train and keeps the others, so recipes can be trained by separate invocations into one OUT."""
-    path = os.path.join(args.out, "metrics.jsonl")
-    if not args.resume and os.path.exists(path):
-        with open(path) as f:
-            kept = [line for line in f if json.loads(line)["recipe"] not in args.recipes]
-        with open(path, "w") as f:
-            f.writelines(kept)
-    return path
 
 
 def plot(out):
@@ -483,7 +575,7 @@ def plot(out):
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    records = read_metrics(out)
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for recipe in dict.fromkeys(r["recipe"] for r in records):
         mine = [r for r in records if r["recipe"] == recipe]
@@ -503,15 +595,20 @@ def plot(out):
 # Flags
 
 
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # a one-line error pointing at --help, not argparse's usage block
+        sys.exit(f"train.py: error: {message} (see python train.py --help)")
+
+
 def parse_args(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.error = lambda message: sys.exit(f"train.py: error: {message} (see python train.py --help)")
+    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--recipe", default="bf16,quartet2", help=f"comma-separated recipes to train, from {','.join(RECIPES)}")
     add("--preset", choices=list(PRESETS), help="defaults for a model size (default: d12 on a GPU)")
     add("--depth", type=int, help="transformer depth; width = 64 * depth")
     add("--seq-len", type=int, help="tokens per training window")
-    add("--device-batch", type=int, help="windows per micro-batch on each device")
+    add("--device-batch", type=int, help="windows per micro-batch on each device (default: the preset's, halved "
+                                         "until it fits the GPU)")
     add("--batch-tokens", type=int, help="tokens per optimizer step, across all devices")
     add("--steps", type=int, help="optimizer steps")
     add("--warmup-steps", type=int, default=0, help="linear learning-rate warmup steps")
@@ -531,68 +628,92 @@ def parse_args(argv=None):
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: on a GPU)")
     add("--device", default="auto", help="cuda, cuda:N or cpu (default: the GPU if there is one)")
     add("--seed", type=int, default=0, help="seed of the weights, the data order and the quantization randomness")
-    add("--out", default="runs/latest", help="output directory (checkpoints, metrics, summary, plot)")
+    add("--out", default="runs/latest", help="output directory (run.json, checkpoints, metrics, summary, plot)")
     add("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
-    add("--resume", action="store_true", help="continue each recipe from its checkpoint in --out")
-    add("--stop-after", type=int, default=0, help="stop after this many steps in this run (checkpointed), e.g. "
-                                                  "to fit a time limit; continue later with --resume")
+    add("--resume", action="store_true", help="continue the run in --out from its checkpoints")
+    add("--overwrite", action="store_true", help="replace the run in --out with a new one")
+    add("--stop-after", type=int, default=0, help="stop after this many steps in this invocation (checkpointed); "
+                                                  "continue later with --resume")
     return parser.parse_args(argv)
 
 
-def resolve(args, ctx):
-    """Fill preset defaults and check that the settings can work, with a one-line error if not."""
+def resolve(args, processes):
+    """Fill the preset's defaults and check every flag before any work, with a one-line error if one cannot work."""
     if args.preset is None:
-        if ctx.device.type != "cuda":
+        if processes.device.type != "cuda":
             raise TrainingError("no GPU found: the default run (preset d12) needs one. Try --preset tiny, which "
                                 "finishes in under 3 minutes on a CPU")
         args.preset = "d12"
+    args.fit_device_batch = args.device_batch is None and processes.device.type == "cuda"
     for key, value in PRESETS[args.preset].items():
         if getattr(args, key) is None:
             setattr(args, key, value)
-    args.dtype = args.dtype or ("bfloat16" if ctx.device.type == "cuda" else "float32")
-    args.compile = ctx.device.type == "cuda" if args.compile is None else args.compile
+    args.dtype = args.dtype or ("bfloat16" if processes.device.type == "cuda" else "float32")
+    args.compile = processes.device.type == "cuda" if args.compile is None else args.compile
     args.recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
     unknown = [r for r in args.recipes if r not in RECIPES]
     if unknown or not args.recipes:
         raise TrainingError(f"unknown recipe(s) {unknown or args.recipe!r}; choose from {','.join(RECIPES)}")
-    per_step = args.seq_len * args.device_batch * ctx.world
+    numbers = dict(depth=1, seq_len=1, device_batch=1, batch_tokens=1, steps=1, eval_every=1, eval_tokens=1,
+                   checkpoint_every=1, warmup_steps=0, stop_after=0, val_docs=0)  # smallest allowed value
+    for name, smallest in numbers.items():
+        if getattr(args, name) < smallest:
+            raise TrainingError(f"--{name.replace('_', '-')} must be at least {smallest}, got {getattr(args, name)}")
+    for name in ("lr_matrix", "lr_embedding", "lr_head"):
+        if not 0 < getattr(args, name) < math.inf:  # also refuses NaN
+            raise TrainingError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    if not 0 <= args.warmdown <= 1:
+        raise TrainingError(f"--warmdown must be a fraction in [0, 1], got {args.warmdown}")
+    per_step = args.seq_len * args.device_batch * processes.world
     if args.batch_tokens % per_step:
         raise TrainingError(f"--batch-tokens {args.batch_tokens} must be a multiple of seq_len x device_batch x "
-                            f"GPUs = {args.seq_len} x {args.device_batch} x {ctx.world} = {per_step}")
-    if args.depth < 2 or args.depth % 2:
-        raise TrainingError(f"--depth must be even (width = 64 * depth must be a multiple of 128), got {args.depth}")
-    if any(r != "bf16" for r in args.recipes) and (args.seq_len * args.device_batch) % 128:
-        raise TrainingError(f"quantized recipes need seq_len x device_batch to be a multiple of 128, got "
-                            f"{args.seq_len} x {args.device_batch}")
-    if min(args.steps, args.eval_every, args.eval_tokens, args.checkpoint_every) <= 0:
-        raise TrainingError("--steps, --eval-every, --eval-tokens and --checkpoint-every must be positive")
+                            f"GPUs = {args.seq_len} x {args.device_batch} x {processes.world} = {per_step}")
+    try:  # the model's own rules (depth, layer sizes, tokens per micro-batch), checked on a weightless model
+        with torch.device("meta"):
+            for recipe in args.recipes:
+                GPT(args.depth, recipe, max_seq_len=args.seq_len)
+                check_tokens(recipe, args.seq_len * args.device_batch)
+    except ValueError as error:
+        raise TrainingError(str(error)) from None
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise TrainingError(f"--out {args.out} is a file, not a directory")
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        write_atomically(os.path.join(args.out, ".writable"), lambda name: open(name, "w").close())
+        os.remove(os.path.join(args.out, ".writable"))
+    except OSError as error:
+        raise TrainingError(f"--out {args.out} is not writable ({error.strerror})") from None
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
+    release = None
     try:
-        ctx = Context(args.device)
-        args = resolve(args, ctx)
-        ctx.log(f"device {ctx.device} x {ctx.world}, preset {args.preset}: depth {args.depth}, seq_len {args.seq_len}, "
-                f"{args.batch_tokens:,} tokens/step, {args.steps} steps, recipes {args.recipes}")
+        processes = Processes(args.device)
+        args = resolve(args, processes)
         tokenizer = gpt2_tokenizer()
         documents, validation = data_sources(args, tokenizer)
         data = (documents, validation_windows(validation, args.seq_len, args.eval_tokens // args.seq_len,
-                                              args.device_batch * ctx.world),
-                token_bytes(tokenizer))
-        os.makedirs(args.out, exist_ok=True)
+                                              args.device_batch * processes.world), token_bytes(tokenizer))
+        if processes.rank == 0:
+            release = lock(args.out)
+        run_id = open_run(args, processes)
+        processes.log(f"device {processes.device} x {processes.world}, preset {args.preset}: depth {args.depth}, "
+                      f"seq_len {args.seq_len}, {args.batch_tokens:,} tokens/step, {args.steps} steps, recipes "
+                      f"{args.recipes}, run {run_id[:8]} in {args.out}")
         rows = []
-        with open(metrics_file(args), "a") as log_file:
-            for recipe in args.recipes:
-                row = train_recipe(recipe, args, ctx, data, log_file)
-                if row is None:  # --stop-after
-                    return
-                rows.append(row)
-        summarize(rows, ctx, args)
+        for recipe in args.recipes:
+            row = train_recipe(recipe, args, processes, data, run_id)
+            if row is None:  # --stop-after
+                return
+            rows.append(row)
+        summarize(rows, processes, args)
     except TrainingError as error:
         sys.exit(f"train.py: error: {error}")
     finally:
+        if release:
+            release()
         if dist.is_initialized():
             dist.destroy_process_group()
 

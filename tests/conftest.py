@@ -1,7 +1,33 @@
-import os
+"""Shared test helpers. Without a GPU, Triton's kernels run in its CPU interpreter (set before triton.jit runs)."""
 
+import os
+import socket
+
+import pytest
 import torch
 
-# Without a GPU, run the Triton kernels in Triton's CPU interpreter (must be set before triton.jit runs).
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+ALL_E4M3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 ... 448, no NaN
+
+
+def grid_neighbours(values, grid):
+    """The values of a sorted non-negative grid just below and just above each of |values| (equal if on it)."""
+    magnitude = values.abs().flatten()
+    lower = grid[torch.searchsorted(grid, magnitude, right=True) - 1]
+    upper = grid[torch.searchsorted(grid, magnitude).clamp(max=len(grid) - 1)]
+    return lower.view_as(values), upper.view_as(values)
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pytest_collection_modifyitems(items):
+    """Tests marked gpu need CUDA: skipped without it."""
+    for item in items:
+        if "gpu" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(pytest.mark.skip(reason="needs CUDA"))

@@ -6,17 +6,19 @@ arithmetic is plain IEEE."""
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import bench
 import kernels
+from conftest import ALL_E4M3, grid_neighbours
 from eden import EDEN_FP8_MAX, eden_groups, inverse_rht, random_signs, rht
-from quantize import E2M1_VALUES, NVFP4Tensor, decode_e2m1, quantize_nvfp4, unpack_codes
+from quantize import (E2M1_VALUES, SR_FP4_MAX, NVFP4Tensor, decode_e2m1, e2m1_round, encode_e2m1, quantize_nvfp4,
+                      unpack_codes)
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"  # on the CPU the kernels run interpreted (tests/conftest.py)
-gpu_only = pytest.mark.skipif(not GPU, reason="needs CUDA")
-ALL_E4M3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
-QUANTIZE_SHAPES = [(64, 128), (192, 384), (320, 640)]  # rows: multiples of 64, columns: of 128
+QUANTIZE_SHAPES = [(64, 128), (192, 384), (320, 640)]  # rows: multiples of 32, columns: of 128
 EDEN_SHAPES = [(128, 128), (128, 384), (384, 256)]
 
 
@@ -57,7 +59,7 @@ def test_rtn_kernel_from_a_transposed_view():
     assert_same_quantization(ours, quantize_nvfp4(x.cpu().t(), four_over_six=True))
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("options", [dict(), dict(four_over_six=True), dict(block="16x16")])
 def test_rtn_kernel_is_bit_identical_at_scale(options):
     x = torch.randn(8192, 4096, device="cuda", dtype=torch.bfloat16) * 3
@@ -66,13 +68,9 @@ def test_rtn_kernel_is_bit_identical_at_scale(options):
 
 # --- stochastic rounding: deterministic scales, random codes ----------------------------------------------------------
 
-def neighbours(values, step_tolerance=0.0):
+def neighbours(values):
     """The E2M1 magnitudes just below and above |values| (values already scaled into [0, 6])."""
-    grid = E2M1_VALUES
-    magnitude = values.abs().clamp(max=6)
-    lower = grid[(grid[None, :] <= magnitude.flatten()[:, None] * (1 + step_tolerance)).sum(1) - 1]
-    upper = grid[torch.searchsorted(grid, magnitude.flatten() * (1 - step_tolerance))]
-    return lower.view_as(values), upper.view_as(values)
+    return grid_neighbours(values.clamp(-6, 6), E2M1_VALUES)
 
 
 def scaled_input(x, q):
@@ -102,6 +100,7 @@ def kernel_ms_eden(x, generator):
     return inverse_rht(rows.dequantize().cpu(), signs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quantizer,name", [(kernel_sr, "SR (fp4_max 6*16/17)"), (kernel_ms_eden, "MS-EDEN")])
 def test_random_kernels_match_reference_error_and_are_unbiased(quantizer, name):
     g = torch.Generator().manual_seed(1)
@@ -110,16 +109,18 @@ def test_random_kernels_match_reference_error_and_are_unbiased(quantizer, name):
     draws = 8
     ours = torch.tensor([bench.relative_error(quantizer(x, g), x) for _ in range(draws)])
     theirs = torch.tensor([bench.relative_error(reference_quantizer(x, g), x) for _ in range(draws)])
-    # the error level agrees within the noise of its estimate (4 standard errors of the difference of two means)
+    # The error level agrees within the noise of its estimate (4 standard errors of the difference of two means),
+    # plus 1%: the kernel's rotation sums on tensor cores, the reference on the CPU, so a rare value lands on the
+    # other side of a rounding boundary (the phase-one tests bound that to 5e-4 of the codes).
     sigma = ((ours.var() + theirs.var()) / draws).sqrt()
-    assert abs(ours.mean() - theirs.mean()) <= 4 * sigma + 0.01 * theirs.mean() * (1 if GPU else 0)
+    assert abs(ours.mean() - theirs.mean()) <= 4 * sigma + 0.01 * theirs.mean()
     # unbiased: B * error(mean of B) stays flat (see tests/test_quantize.py for the tolerance)
     errors = bench.concentration(quantizer, x, [1, 4, 16, 32], g)
     growth = [errors[b] * b / errors[1] for b in errors]
     assert all(0.85 < r < 1.15 for r in growth), growth
 
 
-@gpu_only
+@pytest.mark.gpu
 @pytest.mark.parametrize("quantizer,name", [(kernel_sr, "SR (fp4_max 6*16/17)"), (kernel_ms_eden, "MS-EDEN")])
 def test_random_kernels_error_within_one_percent_at_scale(quantizer, name):
     g = torch.Generator().manual_seed(2)
@@ -189,13 +190,13 @@ def test_requantize_phase1_matches_reference(shape):
     assert_phase1_matches(out, rht(cpu(q).dequantize().t(), signs))
 
 
+@pytest.mark.slow
 def test_eden_phase2_rounds_scales_stochastically_to_neighbours():
     x = varied(128, 256, seed=5)
     codes, corrected, amax = kernels.eden_phase1(x, random_signs(device=DEVICE))[0]
     tensor_scale = corrected.max().cpu() / EDEN_FP8_MAX
     target = corrected.cpu() / tensor_scale
-    lower = ALL_E4M3[(ALL_E4M3[None, :] <= target.flatten()[:, None]).sum(1) - 1].view_as(target)
-    upper = ALL_E4M3[torch.searchsorted(ALL_E4M3, target.flatten())].view_as(target)
+    lower, upper = grid_neighbours(target, ALL_E4M3)
     draws = []
     for _ in range(200):
         q = cpu(kernels.eden_phase2((codes, corrected, amax)))
@@ -208,7 +209,7 @@ def test_eden_phase2_rounds_scales_stochastically_to_neighbours():
     assert not torch.equal(draws[0], draws[1])  # fresh randomness on every call
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_eden_kernels_at_scale():
     x = torch.randn(4096, 2048, device="cuda", dtype=torch.bfloat16)
     signs = random_signs(device="cuda")
@@ -313,15 +314,20 @@ def test_native_gemm_arguments_decode_to_the_same_product(m, n, k):
         assert ((simulated - reference).abs().max() / reference.abs().max()).item() < 1e-13
 
 
-def test_blocked_layout_places_every_scale_once():
-    scales = torch.arange(1, 7 * 200 + 1).remainder(126).add(1).to(torch.uint8).view(200, 7)
+def test_blocked_layout_places_every_scale_where_cublas_reads_it():
+    rows, cols = 200, 7  # both padded: to 256 rows (two tile rows) and 8 columns (two tile columns)
+    scales = torch.randint(1, 127, (rows, cols), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
     blocked = kernels.blocked_scales(scales.view(torch.float8_e4m3fn)).view(torch.uint8)
-    assert blocked.numel() == 256 * 8  # padded to 128 rows and 4 columns
-    assert blocked.float().sum() == scales.float().sum()  # padding is zero, nothing lost or repeated
-    assert blocked[(130 % 32) * 16 + (130 % 128 // 32) * 4 + 1 + 2 * 512] == scales[130, 1]  # tile (1, 0)
+    assert blocked.numel() == 256 * 8
+    r, c = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
+    index = ((r // 128) * 2 + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4  # as documented
+    assert torch.equal(blocked[index], scales)  # every scale where cuBLAS reads it
+    padding = torch.ones(256 * 8, dtype=torch.bool)
+    padding[index.flatten()] = False
+    assert (blocked[padding] == 0).all() and index.unique().numel() == rows * cols  # the rest is zero padding
 
 
-@gpu_only
+@pytest.mark.gpu
 def test_native_gemm_on_blackwell_only():
     device = torch.device("cuda")
     if not kernels.native_fp4_available(device):
@@ -331,3 +337,79 @@ def test_native_gemm_on_blackwell_only():
     out = kernels.nvfp4_mm(a, b).double().cpu()
     reference = cpu(a).dequantize().double() @ cpu(b).dequantize().double().t()
     assert ((out - reference).norm() / reference.norm()).item() < 2 ** -8
+
+
+# --- arguments, dynamic range, and the rounding bit trick ------------------------------------------------------------
+
+def test_entry_points_refuse_bad_arguments():
+    x = varied(64, 128)
+    for bad, message in ((dict(block="16X16"), "block must be one of"), (dict(rounding="SR"), "rounding must be"),
+                         (dict(fp4_max=0.0), "fp4_max"), (dict(fp4_max=float("nan")), "fp4_max"),
+                         (dict(signs=random_signs(64, device=DEVICE)), "signs of length")):
+        with pytest.raises(ValueError, match=message):
+            kernels.triton_quantize(x, **bad)
+        with pytest.raises(ValueError, match=message):
+            kernels.quantize(x.cpu(), **bad)  # the dispatch checks the same, on every device
+    for tensor in (torch.ones(64, 128, dtype=torch.int32), torch.ones(64, 128, dtype=torch.bool)):
+        with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+            kernels.triton_quantize(tensor.to(DEVICE))
+    with pytest.raises(ValueError, match="signs of length 128"):
+        kernels.triton_ms_eden_pair(varied(128, 128), random_signs(16, device=DEVICE))
+    with pytest.raises(ValueError, match="multiple of"):
+        kernels.triton_quantize(torch.empty(0, 128, device=DEVICE))
+    with pytest.raises(ValueError, match=r"multiple of \[16, 128\]"):
+        kernels.triton_dequantize(quantize_nvfp4(torch.randn(16, 16)))
+    q = quantize_nvfp4(torch.randn(16, 16))  # a shape the kernel does not tile: the dispatch uses the reference
+    assert torch.equal(kernels.dequantize(q), q.dequantize())
+
+
+@pytest.mark.parametrize("largest", [1e-45, 1e-38, 1e-33, 3e38])
+@pytest.mark.parametrize("options", [dict(), dict(four_over_six=True), dict(rounding="sr", fp4_max=SR_FP4_MAX)])
+def test_kernels_at_the_ends_of_the_float32_range(largest, options):
+    # Tiny tensors become zeros (quantize.py, section 6), huge ones quantize normally: never NaN from finite input.
+    x = torch.randn(64, 128, generator=torch.Generator().manual_seed(10))
+    x = (x / x.abs().max() * largest).to(DEVICE)
+    ours = cpu(kernels.triton_quantize(x, **options))
+    reference = quantize_nvfp4(x.cpu(), **options)
+    assert torch.equal(ours.tensor_scale, reference.tensor_scale) and ours.dequantize().isfinite().all()
+    if "rounding" not in options:
+        assert_same_quantization(ours, reference)
+    if largest < 1e-32:
+        assert (ours.dequantize() == 0).all()
+    else:
+        assert bench.relative_error(ours.dequantize(), x.cpu()) < 0.04
+
+
+@pytest.mark.parametrize("largest", [1e-45, 1e-38, 3e38])
+def test_ms_eden_kernels_at_the_ends_of_the_float32_range(largest):
+    # Groups too small for a normal FP32 scale become zeros; inputs beyond 2^120 saturate before the rotation.
+    x = torch.randn(128, 128, generator=torch.Generator().manual_seed(11))
+    x = (x / x.abs().max() * largest).to(DEVICE)
+    signs = random_signs(generator=torch.Generator().manual_seed(11))
+    rows, cols = kernels.eden_phase1(x, signs.to(DEVICE))
+    assert_phase1_matches(rows, rht(x.cpu(), signs))
+    assert_phase1_matches(cols, rht(x.cpu().t(), signs))
+    for out in kernels.triton_ms_eden_pair(x, signs.to(DEVICE)):
+        assert cpu(out).dequantize().isfinite().all()
+
+
+@triton.jit
+def _nearest_kernel(x_ptr, magnitude_ptr, code_ptr, BLOCK: tl.constexpr):
+    offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    magnitude, code = kernels._e2m1_nearest(tl.load(x_ptr + offsets))
+    tl.store(magnitude_ptr + offsets, magnitude)
+    tl.store(code_ptr + offsets, code)
+
+
+def test_e2m1_bit_trick_equals_the_reference_rounding():
+    # Every grid value, every midpoint and their float32 neighbours (ties go to even), values past 6, random ones.
+    grid = E2M1_VALUES
+    points = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([6.07, 7.0, 1e30])])
+    near = torch.cat([points, torch.nextafter(points, torch.tensor(-1.0)), torch.nextafter(points, torch.tensor(9.0))])
+    x = torch.cat([near, torch.rand(4096 - len(near), generator=torch.Generator().manual_seed(12)) * 6.5]).abs()
+    magnitude, code = torch.empty_like(x), torch.empty(x.shape, dtype=torch.int32)
+    x, magnitude, code = x.to(DEVICE), magnitude.to(DEVICE), code.to(DEVICE)
+    _nearest_kernel[(4,)](x, magnitude, code, BLOCK=1024)
+    reference = e2m1_round(x.cpu())
+    assert torch.equal(magnitude.cpu(), reference)
+    assert torch.equal(code.cpu(), encode_e2m1(reference).int())

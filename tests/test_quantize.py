@@ -4,10 +4,10 @@ import pytest
 import torch
 
 import bench
-from quantize import (E2M1_VALUES, NVFP4Tensor, decode_e2m1, e2m1_round, e4m3_round, e4m3_stochastic_round,
+from quantize import (SR_FP4_MAX, E2M1_VALUES, NVFP4Tensor, decode_e2m1, e2m1_round, e4m3_round, e4m3_stochastic_round,
                       encode_e2m1, pack_codes, quantize_nvfp4, unpack_codes)
 
-ALL_E4M3 = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # 0 ... 448, no NaN
+from conftest import ALL_E4M3, grid_neighbours
 
 
 def log_uniform(n, low, high, generator):
@@ -37,8 +37,7 @@ def test_e4m3_stochastic_round_is_unbiased_across_the_normal_range():
     samples = 20_000
     rounded = e4m3_stochastic_round(values.repeat(samples, 1), g)
     # every sample is one of the two E4M3 neighbours of its value
-    lower = torch.stack([ALL_E4M3[(ALL_E4M3 <= v.abs()).nonzero().max()] for v in values]) * values.sign()
-    upper = torch.stack([ALL_E4M3[(ALL_E4M3 >= v.abs()).nonzero().min()] for v in values]) * values.sign()
+    lower, upper = (neighbour * values.sign() for neighbour in grid_neighbours(values, ALL_E4M3))
     assert ((rounded == lower) | (rounded == upper)).all()
     # the mean is the value itself: a Bernoulli(p) between neighbours has std step*sqrt(p(1-p)/n) <= step/(2 sqrt n)
     bound = 5 * (upper - lower).abs() / (2 * samples ** 0.5)
@@ -138,7 +137,7 @@ def test_four_over_six_never_worse_per_group_than_six():
     assert (err46 <= err6 * (1 + 1e-6)).all() and (err46 < err6).float().mean() > 0.2
 
 
-QUANTIZE_OPTIONS = [dict(), dict(four_over_six=True), dict(block="16x16"), dict(rounding="sr", fp4_max=6 * 16 / 17),
+QUANTIZE_OPTIONS = [dict(), dict(four_over_six=True), dict(block="16x16"), dict(rounding="sr", fp4_max=SR_FP4_MAX),
                     dict(rounding="sr", four_over_six=True)]
 
 
@@ -153,13 +152,24 @@ def test_zeros_give_exact_zeros(options):
 
 
 @pytest.mark.parametrize("options", QUANTIZE_OPTIONS)
-def test_huge_and_tiny_magnitudes_stay_finite(options):
-    g = torch.Generator().manual_seed(7)
-    x = log_uniform(64 * 64, -99.6, 99.6, g).view(64, 64)  # 1e-30 ... 1e30
-    out = quantize_nvfp4(x, **options).dequantize()
-    assert out.isfinite().all()
-    big = x.abs() > 1e29  # the largest values set the scales and must survive with NVFP4's precision
-    assert ((out[big] - x[big]).abs() <= 0.5 * x[big].abs()).all()
+@pytest.mark.parametrize("power", [-100, -40, 40, 120])
+def test_quantization_is_the_same_at_every_scale(options, power):
+    # Multiplying by a power of two is exact in every float format, so in FP32's normal range the quantizer must
+    # give the same codes and group scales, and a tensor scale times the same power of two.
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(7))
+    q = quantize_nvfp4(x, generator=torch.Generator().manual_seed(8), **options)
+    scaled = quantize_nvfp4(x * 2.0**power, generator=torch.Generator().manual_seed(8), **options)
+    assert torch.equal(scaled.codes, q.codes) and torch.equal(scaled.group_scale.float(), q.group_scale.float())
+    assert scaled.tensor_scale.item() == q.tensor_scale.item() * 2.0**power
+
+
+@pytest.mark.parametrize("options", QUANTIZE_OPTIONS)
+@pytest.mark.parametrize("largest", [1e-45, 1e-38, 1e-33])
+def test_tensors_too_small_for_the_format_become_zeros(options, largest):
+    # Below MIN_TENSOR_SCALE * fp8_max * fp4_max (~1e-32), 1 / (group_scale * tensor_scale) would overflow.
+    x = torch.randn(32, 64, generator=torch.Generator().manual_seed(9))
+    q = quantize_nvfp4(x / x.abs().max() * largest, **options)
+    assert q.tensor_scale.item() == 1.0 and (q.dequantize() == 0).all()
 
 
 @pytest.mark.parametrize("options", QUANTIZE_OPTIONS)
@@ -197,6 +207,11 @@ def test_batched_input_quantizes_along_the_last_dimension():
     (torch.randn(4, 16), dict(rounding="nearest"), "rounding must be"),
     (torch.randn(4, 16), dict(block="1x32"), "block must be"),
     (torch.randn(4, 16), dict(four_over_six=True, fp8_max=448.0), "no room in E4M3"),
+    (torch.randn(4, 16), dict(fp8_max=0.0), "no room in E4M3"),
+    (torch.randn(4, 16), dict(fp4_max=0.0), "fp4_max"),
+    (torch.randn(4, 16), dict(fp4_max=float("nan")), "fp4_max"),
+    (torch.empty(0, 16), {}, "non-empty"),
+    (torch.empty(4, 16, device="meta"), {}, "meta tensor"),
 ])
 def test_bad_input_raises_a_clear_error(x, options, message):
     with pytest.raises(ValueError, match=message):
