@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from tiktoken.load import load_tiktoken_bpe
 
+from kernels import native_fp4_available
 from model import GPT, GPT2_VOCAB, RECIPES, check_tokens, make_optimizers
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
@@ -562,7 +563,7 @@ def summarize(rows, processes, args):
     device = processes.device
     summary = dict(rows=rows, device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    world_size=processes.world, date=time.strftime("%Y-%m-%d"), args=vars(args),
-                   emulated_nvfp4=not (device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 10))
+                   emulated_nvfp4=not native_fp4_available(device))
     write_atomically(os.path.join(args.out, "summary.json"), lambda name: json.dump(summary, open(name, "w"), indent=1))
     plot(args.out)
 

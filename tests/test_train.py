@@ -299,3 +299,34 @@ def test_bad_files_give_a_one_line_error(small_data, tmp_path):
                           ("no_text", gzip.compress(b'{"body": "a"}\n'))):
         assert_one_line_error(run(tiny_args(bad_data(tmp_path, name, content), tmp_path / f"out_{name}")),
                               "not gzipped JSON lines")
+
+
+def test_the_micro_batch_is_halved_until_it_fits(monkeypatch, tmp_path):
+    # A stand-in for a GPU that holds 6 windows of forward + backward: the preset's 32 becomes 4, gradient
+    # accumulation keeping the global batch; a run that cannot fit even one window stops with a clear error.
+    class Model(torch.nn.Module):
+        vocab_size = 50257
+
+        def __init__(self, capacity):
+            super().__init__()
+            self.weight, self.capacity = torch.nn.Parameter(torch.ones(())), capacity
+
+        def forward(self, inputs, targets):
+            if inputs.shape[0] > self.capacity:
+                raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+            return self.weight * inputs.float().mean()
+    for name in ("set_per_process_memory_fraction", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda *a, **k: None)
+    args = train.parse_args(["--preset", "d12", "--recipe", "bf16,quartet2", "--out", str(tmp_path)])
+    processes = train.Processes("cpu")
+    args = train.resolve(args, processes)
+    args.dtype = "float32"
+    assert train.fit_device_batch(Model(6), args, processes) == 4
+    with pytest.raises(train.TrainingError, match="does not fit"):
+        train.fit_device_batch(Model(0), args, processes)
+
+
+def test_evaluation_batches_are_whole_multiples_of_128_tokens(small_data, tmp_path):
+    # 960 evaluation tokens at seq_len 64 are 15 windows: cut to 14, so every batch of 2 holds 128 tokens
+    assert run(tiny_args(small_data, tmp_path, "--recipe", "quartet2", "--steps", "2", "--eval-every", "2",
+                         "--eval-tokens", "960")) is None
