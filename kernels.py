@@ -789,6 +789,21 @@ def _(codes, group_scale, tensor_scale, signs, seed, out_dtype):
     return _fake(codes.shape[1] * 2, codes.shape[0], "1x16", out_dtype, codes.device)
 
 
+@torch.library.custom_op("nanoquartet::dequantize", mutates_args=())
+def _dequantize_op(codes: Tensor, group_scale: Tensor, tensor_scale: Tensor, block: str, dtype: torch.dtype,
+                   with_tensor_scale: bool) -> Tensor:
+    q = NVFP4Tensor(codes, group_scale.view(torch.float8_e4m3fn), tensor_scale,
+                    torch.Size((codes.shape[0], codes.shape[1] * 2)), block)
+    if codes.is_cuda and q.shape[0] % DEQUANTIZE_ROWS == 0 and q.shape[1] % TILE == 0:
+        return triton_dequantize(q, dtype, with_tensor_scale)
+    return q.dequantize(dtype, with_tensor_scale)
+
+
+@_dequantize_op.register_fake
+def _(codes, group_scale, tensor_scale, block, dtype, with_tensor_scale):
+    return codes.new_empty((codes.shape[0], codes.shape[1] * 2), dtype=dtype)
+
+
 # -----------------------------------------------------------------------------
 # What model.py calls
 
@@ -832,9 +847,10 @@ def requantize_ms_eden(q, signs, out_dtype=torch.bfloat16):
 
 def dequantize(q, dtype=torch.float32, tensor_scale=True):
     """q.dequantize(dtype, tensor_scale): the kernel for 2-D CUDA tensors whose shape it tiles, else the reference."""
-    if q.codes.is_cuda and len(q.shape) == 2 and q.shape[0] % DEQUANTIZE_ROWS == 0 and q.shape[1] % TILE == 0:
-        return triton_dequantize(q, dtype, tensor_scale)
-    return q.dequantize(dtype, tensor_scale)
+    if len(q.shape) != 2:
+        return q.dequantize(dtype, tensor_scale)
+    return torch.ops.nanoquartet.dequantize(q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, q.block, dtype,
+                                            tensor_scale)
 
 
 def save_for_backward(ctx, *items):

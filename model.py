@@ -1,25 +1,31 @@
 """
-The Nanochat GPT, and the three linear-layer recipes it can train with.
+The Nanochat GPT, the linear-layer recipes it can train with, and its optimizers.
 
 A linear layer Y = X W^T (X [T, in] for T tokens, W [out, in]) costs three GEMMs: the forward Y = X W^T and, given
-E = dL/dY [T, out], the backward dX = E W and dW = E^T X. A recipe says in which precision each operand of each GEMM
-is, always quantized along the GEMM's inner dimension:
+E = dL/dY [T, out], the backward dX = E W and dW = E^T X. A recipe says how each operand of each GEMM is quantized,
+always along the GEMM's inner dimension; RECIPES below is one row per recipe:
 
-    recipe     Y = X W^T                      dX = E W                              dW = E^T X
-    bf16       X, W in BF16                   E, W in BF16                          E^T, X^T in BF16
-    quartet2   X: RTN 1x16 + 4/6 along in     E: MS-EDEN along out                  E^T: MS-EDEN along T
-               W: RTN 1x16 + 4/6 along in     W^T: the saved NVFP4 W, re-quantized  X^T: the saved NVFP4 X,
-                                                   with MS-EDEN along out                re-quantized, along T
-    nvidia     X: RTN 1x16 along in           E: SR 1x16 along out (fp4_max 6*16/17)  E^T: SR of RHT16(E^T) along T
-               W: RTN 16x16                   W^T: the same 16x16 W (no requant.)    X^T: RTN of RHT16(X^T) along T
+    recipe     Y = X W^T                 dX = E W                                dW = E^T X
+    bf16       X, W in BF16              E, W in BF16                            E^T, X^T in BF16
+    quartet2   X, W: RTN 1x16 + 4/6      E: MS-EDEN; W^T: the forward's W,       E^T: MS-EDEN; X^T: the forward's X,
+                                         re-quantized with MS-EDEN               re-quantized with MS-EDEN
+    nvidia     X: RTN 1x16, W: RTN 16x16 E: SR 1x16; W^T: the forward's 16x16 W  E^T: SR of RHT16(E^T); X^T: RTN of
+                                         (a tile's scale serves W and W^T)       RHT16 of the unquantized X^T
+    tetrajet2  X, W: RTN 1x16            E, W^T: a 32-wide random rotation, then SR, on E and on the forward's W and
+                                         X (as the Quartet II paper re-implemented TetraJet-v2's core)
+
+(SR: stochastic rounding with fp4_max 6 * 16/17; RHT16: a 16-wide random-sign Hadamard rotation.) The paper's
+ablations are rows too: quartet2_no46 and nvidia46 (four-over-six off and on), forward-only recipes (fwd_*: the
+backward in BF16 on the forward's quantized operands) and backward-only ones (bwd_*: the forward in BF16; (a) only
+dW quantized, (c) only dX, (e) both; with SR or MS-EDEN, rotations of 128).
 
 Quartet II keeps the forward as accurate as possible (RTN with four-over-six is biased but has the lowest error) and
 makes the backward unbiased with MS-EDEN, so that the gradient is an unbiased estimate of the gradient of the
 *quantized* forward. That is why it re-quantizes the forward's quantized X and W (not the BF16 originals): only their
-packed NVFP4 forms are saved for the backward (0.56 bytes per element instead of 2). All four backward operands of
-one call share one set of 128 random signs, so the rotations cancel inside each GEMM (eden.py); every call draws
-fresh signs. The NVIDIA recipe (arXiv 2509.25149, as the Quartet II paper compares it) saves the BF16 X and rotates
-only the dW GEMM, with a 16-wide Hadamard.
+packed NVFP4 forms are saved for the backward (0.56 bytes per element instead of 2). The operands of a backward GEMM
+share one set of random signs, so the rotations cancel inside it (eden.py); every call draws fresh signs. The NVIDIA
+recipe's dX is unbiased too, but its dW rounds the rotated X to nearest: its mean is E^T times the
+rotation-averaged RTN of X, neither E^T X nor E^T X_q (`python bench.py grad` shows the bias).
 
 All quantized operations go through kernels.py: PyTorch operators that run Triton kernels on CUDA and the
 pure-PyTorch references of quantize.py and eden.py elsewhere, and that torch.compile traces, so a whole GPT compiles
@@ -44,6 +50,8 @@ gradients; each gradient stays unbiased, since each is a block of rows of one un
 """
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn as nn
@@ -52,73 +60,149 @@ from torch.autograd.function import once_differentiable
 
 import kernels as ops
 from eden import HADAMARD, random_signs
-from quantize import SR_FP4_MAX
+from quantize import E2M1_MAX, SR_FP4_MAX, NVFP4Tensor
 
 GPT2_VOCAB = 50257
 HEAD_DIM = 128
 SOFTCAP = 15.0
-NVIDIA_HADAMARD = 16
 
 # -----------------------------------------------------------------------------
-# The recipes: one autograd Function each, spelling out the three GEMMs
+# The recipes: one row each, a quantizer for every operand of the three GEMMs
 
 
-class BF16Linear(torch.autograd.Function):
+@dataclass(frozen=True)
+class Q:
+    """How a GEMM operand is quantized, along the GEMM's inner dimension: round to nearest ("rtn", fp4_max 6),
+    stochastically ("sr", fp4_max 6*16/17, so that nothing clips) or with MS-EDEN ("eden", eden.py: always a
+    128-wide rotation); optionally with four-over-six, 16x16 tiles, or a random-sign Hadamard rotation of `rotation`
+    elements, which the GEMM's two operands share so that it cancels."""
+    rounding: str = "rtn"
+    four_over_six: bool = False
+    block: str = "1x16"
+    rotation: int = 0
+
+
+RTN, RTN46, TILES, TILES46 = Q(), Q(four_over_six=True), Q(block="16x16"), Q(block="16x16", four_over_six=True)
+SR, SR16, SR32, SR128 = Q("sr"), Q("sr", rotation=16), Q("sr", rotation=32), Q("sr", rotation=HADAMARD)
+EDEN = Q("eden", rotation=HADAMARD)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A quantizer (None: BF16) for each operand of the three GEMMs. The backward's W and X are the ones the
+    forward used (quantized, if it quantized them), re-quantized by w_dx and x_dw, or taken as they are where those
+    are None; with x_dw_bf16 the weight gradient quantizes the unquantized X instead (the NVIDIA recipe saves it)."""
+    x: Optional[Q] = None  # Y = X W^T: X [T, in] along in
+    w: Optional[Q] = None  # W [out, in] along in
+    e_dx: Optional[Q] = None  # dX = E W: E [T, out] along out
+    w_dx: Optional[Q] = None  # W^T [in, out] along out
+    e_dw: Optional[Q] = None  # dW = E^T X: E^T [out, T] along T
+    x_dw: Optional[Q] = None  # X^T [in, T] along T
+    x_dw_bf16: bool = False
+
+    def __post_init__(self):
+        rotation = lambda q: q.rotation if q else 0
+        if rotation(self.x) or rotation(self.w) or rotation(self.e_dx) != rotation(self.w_dx) or \
+                rotation(self.e_dw) != rotation(self.x_dw):
+            raise ValueError(f"a rotation must be shared by both operands of a backward GEMM: {self}")
+
+    def rotations(self):
+        return {q.rotation for q in (self.e_dx, self.w_dx, self.e_dw, self.x_dw) if q and q.rotation}
+
+
+RECIPES = {
+    #                            Y = X W^T        dX = E W            dW = E^T X
+    #                            X      W         E      W^T          E^T    X^T
+    "bf16": Recipe(),
+    "quartet2": Recipe(RTN46, RTN46, EDEN, EDEN, EDEN, EDEN),
+    "quartet2_no46": Recipe(RTN, RTN, EDEN, EDEN, EDEN, EDEN),
+    "nvidia": Recipe(RTN, TILES, SR, None, SR16, Q(rotation=16), x_dw_bf16=True),
+    "nvidia46": Recipe(RTN46, TILES46, SR, None, SR16, Q(rotation=16), x_dw_bf16=True),
+    "tetrajet2": Recipe(RTN, RTN, SR32, SR32, SR32, SR32),
+    # ablations, forward only: the backward is BF16 on the forward's quantized X and W
+    "fwd_1x16": Recipe(RTN, RTN),
+    "fwd_1x16_46": Recipe(RTN46, RTN46),
+    "fwd_16x16": Recipe(RTN, TILES),
+    "fwd_16x16_46": Recipe(RTN46, TILES46),
+    # ablations, backward only: (a) dW quantized, (c) dX quantized, (e) both
+    "bwd_a_sr": Recipe(e_dw=SR128, x_dw=SR128),
+    "bwd_a_eden": Recipe(e_dw=EDEN, x_dw=EDEN),
+    "bwd_c_sr": Recipe(e_dx=SR128, w_dx=SR128),
+    "bwd_c_eden": Recipe(e_dx=EDEN, w_dx=EDEN),
+    "bwd_e_sr": Recipe(None, None, SR128, SR128, SR128, SR128),
+    "bwd_e_eden": Recipe(None, None, EDEN, EDEN, EDEN, EDEN),
+}
+
+
+def saved(t, requantizer):
+    """What the backward keeps of a forward operand: of an NVFP4Tensor it re-quantizes, the packed form only (0.56
+    bytes per element); one it uses as it is keeps its values (code * group scale) too."""
+    return t.packed() if isinstance(t, NVFP4Tensor) and requantizer is not None else t
+
+
+def quantize(t, q, signs, transpose=False):
+    """t (t^T with transpose) quantized by q along its last dimension, as an NVFP4Tensor; t itself if q is None."""
+    if q is None:
+        return t.t() if transpose else t
+    if q.rounding == "eden":  # the kernel makes both orientations from one read of t
+        return ops.ms_eden_pair(t, signs[HADAMARD])[1 if transpose else 0]
+    return ops.quantize(t, q.rounding, q.four_over_six, q.block, SR_FP4_MAX if q.rounding == "sr" else E2M1_MAX,
+                        transpose, signs[q.rotation] if q.rotation else None)
+
+
+def quantize_gradient(e, e_dx, e_dw, signs):
+    """(E for dX along out, E^T for dW along T): for MS-EDEN both from one read of E."""
+    if e_dx == e_dw == EDEN:
+        return ops.ms_eden_pair(e, signs[HADAMARD])
+    return quantize(e, e_dx, signs), quantize(e, e_dw, signs, transpose=True)
+
+
+def requantize_transposed(t, q, signs, dtype):
+    """The transpose of a saved forward operand t (an NVFP4Tensor, or BF16 if the forward did not quantize it),
+    quantized by q; as it is if q is None (a 16x16 tensor transposes exactly, others as their values)."""
+    if not isinstance(t, NVFP4Tensor):
+        return quantize(t, q, signs, transpose=True)
+    if q is None:
+        return t.t() if t.block == "16x16" else values(t).t()
+    if q == EDEN:
+        return ops.requantize_ms_eden(t, signs[HADAMARD], dtype)
+    return quantize(values(t), q, signs, transpose=True)
+
+
+def matmul(a, b, dtype):
+    """a @ b^T: two NVFP4Tensors through nvfp4_mm (native on Blackwell), anything else on its values in dtype."""
+    if isinstance(a, NVFP4Tensor) and isinstance(b, NVFP4Tensor):
+        return ops.nvfp4_mm(a, b, dtype)
+    a, b = (values(t).to(dtype) if isinstance(t, NVFP4Tensor) else t.to(dtype) for t in (a, b))
+    return a @ b.t()
+
+
+def values(q):
+    """An NVFP4Tensor's values, code * group_scale * tensor_scale, in FP32."""
+    scaled = ops.dequantize(q, tensor_scale=False) if q.scaled_codes is None else q.scaled_codes.float()
+    return scaled * q.tensor_scale
+
+
+class RecipeLinear(torch.autograd.Function):
+    """The three GEMMs of a linear layer, each operand quantized as the recipe says."""
+
     @staticmethod
-    def forward(ctx, x, w):  # x [T, in], w [out, in]
-        ctx.save_for_backward(x, w)
-        return x @ w.t()  # [T, out]
+    def forward(ctx, x, w, recipe):  # x [T, in], w [out, in]
+        xq, wq = quantize(x, recipe.x, {}), quantize(w, recipe.w, {})  # along in
+        ctx.recipe = recipe
+        ops.save_for_backward(ctx, saved(x if recipe.x_dw_bf16 else xq, recipe.x_dw), saved(wq, recipe.w_dx))
+        return matmul(xq, wq, x.dtype)  # [T, out]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, e):  # e [T, out]
-        x, w = ctx.saved_tensors
-        return e @ w, e.t() @ x  # dX [T, in], dW [out, in]
-
-
-class Quartet2Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        xq = ops.quantize(x, four_over_six=True)  # [T, in] along in
-        wq = ops.quantize(w, four_over_six=True)  # [out, in] along in
-        ops.save_for_backward(ctx, xq.packed(), wq.packed())  # only the packed NVFP4 forms are kept
-        return ops.nvfp4_mm(xq, wq, x.dtype)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, e):
-        xq, wq = ops.saved_tensors(ctx)
-        signs = random_signs(HADAMARD, device=e.device)  # fresh per call, shared by the four operands
-        e_q, et_q = ops.ms_eden_pair(e, signs)  # E [T, out] along out, E^T [out, T] along T: one read of E
-        wt_q = ops.requantize_ms_eden(wq, signs, e.dtype)  # W^T [in, out] along out
-        xt_q = ops.requantize_ms_eden(xq, signs, e.dtype)  # X^T [in, T] along T
-        dx = ops.nvfp4_mm(e_q, wt_q, e.dtype)  # [T, in]
-        dw = ops.nvfp4_mm(et_q, xt_q, e.dtype)  # [out, in]
-        return dx, dw
-
-
-class NvidiaLinear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, w):
-        xq = ops.quantize(x)  # [T, in] RTN 1x16 along in
-        wq = ops.quantize(w, block="16x16")  # [out, in] RTN 16x16: W and W^T share one quantization
-        ops.save_for_backward(ctx, x, wq)  # this recipe saves X in BF16
-        return ops.nvfp4_mm(xq, wq, x.dtype)
-
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, e):
-        x, wq = ops.saved_tensors(ctx)
-        e_q = ops.quantize(e, rounding="sr", fp4_max=SR_FP4_MAX)  # [T, out] along out
-        dx = ops.nvfp4_mm(e_q, wq.t(), e.dtype)  # [T, in]
-        signs = random_signs(NVIDIA_HADAMARD, device=e.device)
-        et_q = ops.quantize(e, rounding="sr", fp4_max=SR_FP4_MAX, transpose=True, signs=signs)  # [out, T]
-        xt_q = ops.quantize(x, transpose=True, signs=signs)  # [in, T]
-        dw = ops.nvfp4_mm(et_q, xt_q, e.dtype)  # [out, in]
-        return dx, dw
-
-
-RECIPES = {"bf16": BF16Linear, "quartet2": Quartet2Linear, "nvidia": NvidiaLinear}
+        recipe = ctx.recipe
+        x, w = ops.saved_tensors(ctx)
+        signs = {n: random_signs(n, device=e.device) for n in recipe.rotations()}  # fresh per call, shared
+        e_dx, e_dw = quantize_gradient(e, recipe.e_dx, recipe.e_dw, signs)  # [T, out] along out, [out, T] along T
+        dx = matmul(e_dx, requantize_transposed(w, recipe.w_dx, signs, e.dtype), e.dtype)  # [T, in]
+        dw = matmul(e_dw, requantize_transposed(x, recipe.x_dw, signs, e.dtype), e.dtype)  # [out, in]
+        return dx, dw, None
 
 
 class Linear(nn.Module):
@@ -150,7 +234,7 @@ def linear(x, weight, recipe):
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     tokens = x.reshape(-1, x.shape[-1]).to(dtype)  # [T, in]
     check_tokens(recipe, tokens.shape[0])
-    return RECIPES[recipe].apply(tokens, weight.to(dtype)).view(*x.shape[:-1], -1)
+    return RecipeLinear.apply(tokens, weight.to(dtype), RECIPES[recipe]).view(*x.shape[:-1], -1)
 
 
 # -----------------------------------------------------------------------------
