@@ -5,6 +5,8 @@ Measurements. Every number in the README comes from one of these commands:
     python bench.py kernels  # each Triton kernel: time and bandwidth next to the copy bandwidth (GPU)
     python bench.py linear   # forward+backward of one linear layer per recipe, as a ratio to BF16 (GPU)
     python bench.py train    # tokens/s and peak memory of a training step per recipe (GPU)
+    python bench.py grad     # gradient concentration per recipe: the paper's Figure 9 (CPU or GPU)
+    python bench.py study    # train.py for recipes x seeds and the comparison table (GPU)
 
 Each prints a short table; --json PATH writes the same rows as JSON. GPU times are medians of CUDA-event timings
 (triton.testing.do_bench) after warm-up; ratios compare numbers measured in the same run. On GPUs without FP4
@@ -17,6 +19,8 @@ B * error(mean of B) stays flat, while for a biased one it grows like B once the
 
 import argparse
 import json
+import math
+import os
 import sys
 
 import torch
@@ -292,6 +296,145 @@ def bench_train(args):
     return rows
 
 
+# -----------------------------------------------------------------------------
+# The paper's comparison: gradient concentration (its Figure 9) and a study of recipes x seeds
+
+
+def captured_layers(args, device):
+    """(name, X [T, in], W [out, in], E [T, out]) of block 0's q, k and v projections, from one BF16 forward and
+    backward of a d{depth} GPT on the bundled validation text: nanochat's initialization, except that the output
+    projections and lm_head start random instead of at zero (at zero, no gradient reaches q, k, v), or the weights
+    of a train.py checkpoint."""
+    import train
+    from model import GPT
+    torch.manual_seed(args.seed)
+    gpt = GPT(args.depth, "bf16", max_seq_len=args.seq_len).to(device)
+    if args.checkpoint:
+        gpt.load_state_dict(torch.load(args.checkpoint, map_location=device, weights_only=True)["model"])
+    else:
+        with torch.no_grad():
+            for module in [gpt.lm_head] + [m for block in gpt.blocks for m in (block.attn.c_proj, block.mlp.c_proj)]:
+                module.weight.normal_(0, module.weight.shape[1] ** -0.5)
+    tokenizer = train.gpt2_tokenizer()
+    documents = train.tokenize(tokenizer, train.local_texts("val"))
+    tokens = train.validation_windows(documents, args.seq_len, args.tokens // args.seq_len).to(device)
+    attention, captured = gpt.blocks[0].attn, {}
+
+    def capture(name):
+        def hook(module, inputs, output):  # X now, E when the backward reaches this layer
+            captured[name] = [inputs[0].detach().flatten(0, 1)]
+            output.register_hook(lambda grad: captured[name].append(grad.flatten(0, 1)))
+        return hook
+    for name in ("c_q", "c_k", "c_v"):
+        getattr(attention, name).register_forward_hook(capture(name))
+    gpt(tokens[:, :-1], tokens[:, 1:]).backward()
+    return [(name, x, getattr(attention, name).weight.detach(), e) for name, (x, e) in captured.items()]
+
+
+def bench_grad(args):
+    """The relative error of the mean of B backward passes of a layer against the exact gradient of its quantized
+    forward, for B = 1, 2, 4, ...: unbiased recipes fall like 1/B, a biased one levels off at its bias."""
+    from model import RECIPES, Q, Recipe, RecipeLinear
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    recipes = {name: RECIPES[name] for name in args.recipes.split(",")}
+    sr46 = Q("sr", four_over_six=True, rotation=128)  # biased: four-over-six picks a branch by its error
+    recipes["bwd SR + 4/6 (biased)"] = Recipe(None, None, sr46, sr46, sr46, sr46)
+    batches = [2**i for i in range(int(math.log2(args.batches)) + 1)]
+    print(f"relative error of the mean of B backward passes, block 0 of a d{args.depth} GPT, {args.tokens} tokens "
+          f"({device}); growth = B_max * error(B_max) / error(1): ~1 unbiased, larger biased")
+    print(f"{'recipe':<24}{'layer':>6}{'gradient':>10}{'error(1)':>11}{f'error({batches[-1]})':>12}{'growth':>9}")
+    rows = []
+    for name, x, w, e in captured_layers(args, device):
+        for recipe_name, recipe in recipes.items():
+            torch.manual_seed(args.seed)
+            exact = exact_gradients(recipe, x, w, e)
+            sums, errors = [torch.zeros_like(g) for g in exact], {}
+            for b in range(1, batches[-1] + 1):
+                xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+                RecipeLinear.apply(xr, wr, recipe).backward(e)
+                for total, grad in zip(sums, (xr.grad, wr.grad)):
+                    total += grad.double()
+                if b in batches:
+                    errors[b] = [relative_error(total / b, g) for total, g in zip(sums, exact)]
+            for index, gradient in enumerate(("dX", "dW")):
+                curve = [errors[b][index] for b in batches]
+                row = dict(recipe=recipe_name, layer=name, gradient=gradient, batches=batches, errors=curve,
+                           growth=curve[-1] * batches[-1] / curve[0] if curve[0] > 0 else None)
+                rows.append(row)
+                growth = f"{row['growth']:.2f}" if row["growth"] is not None else "exact"
+                print(f"{recipe_name:<24}{name:>6}{gradient:>10}{curve[0]:>11.2e}{curve[-1]:>12.2e}{growth:>9}",
+                      flush=True)
+    if args.png:
+        plot_concentration(rows, args.png)
+    return rows
+
+
+def forward_operand(t, q):
+    """An operand as a recipe's forward multiplies it, from the reference quantizer, in FP64 (t if q is None)."""
+    return t.double() if q is None else quantize_nvfp4(t, q.rounding, q.four_over_six, q.block).dequantize().double()
+
+
+def forward_product(recipe, x, w):
+    return forward_operand(x, recipe.x) @ forward_operand(w, recipe.w).t()
+
+
+def exact_gradients(recipe, x, w, e):
+    """(E W_q, E^T X_q) in FP64: the exact gradients of the recipe's quantized forward (W_q = W where it keeps W)."""
+    return e.double() @ forward_operand(w, recipe.w), e.double().t() @ forward_operand(x, recipe.x)
+
+
+def plot_concentration(rows, path):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return print("(matplotlib is not installed: no plot)")
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, gradient in zip(axes, ("dX", "dW")):
+        curves = [r for r in rows if r["gradient"] == gradient and r["layer"] == "c_q" and r["growth"] is not None]
+        for row, style in zip(curves, ["o-", "s--", "^-", "v:", "D-.", "x-", "*--", "+:"]):
+            ax.loglog(row["batches"], row["errors"], style, label=row["recipe"], markersize=5)
+        ax.set(title=f"{gradient} of block 0's q projection", xlabel="B (backward passes averaged)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("relative error of the mean of B")
+    axes[1].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+
+
+def bench_study(args):
+    """train.py for every seed (resuming what a previous invocation left), then the comparison: mean gap to BF16 +-
+    its standard deviation over seeds, and how much smaller Quartet II's gap is than each other recipe's."""
+    import train
+    recipes, runs = args.recipes.split(","), {}
+    for seed in args.seeds:
+        out = os.path.join(args.out, f"seed{seed}")
+        flags = ["--preset", args.preset, "--recipe", ",".join(recipes), "--seed", str(seed), "--out", out]
+        done = os.path.exists(os.path.join(out, "summary.json"))
+        if not done:
+            resume = ["--resume"] if os.path.exists(os.path.join(out, "run.json")) else []
+            if train.main(flags + resume + args.train_flags) is not None:
+                continue
+        runs[seed] = {r["recipe"]: r["val_bpb"] for r in json.load(open(os.path.join(out, "summary.json")))["rows"]}
+    gaps = {r: [100 * (bpb[r] / bpb["bf16"] - 1) for bpb in runs.values()] for r in recipes if r != "bf16"}
+    mean = {r: sum(g) / len(g) for r, g in gaps.items()}
+    std = {r: (sum((x - mean[r]) ** 2 for x in g) / max(1, len(g) - 1)) ** 0.5 for r, g in gaps.items()}
+    print(f"\npreset {args.preset}, seeds {list(runs)}: final validation bpb, gap to BF16 (mean +- std over seeds)")
+    print(f"{'recipe':<16}" + "".join(f"{f'seed {s}':>10}" for s in runs) + f"{'gap':>18}{'Q-II gap smaller by':>22}")
+    rows = []
+    for recipe in recipes:
+        row = dict(recipe=recipe, bpb={s: runs[s][recipe] for s in runs}, gap_pct=mean.get(recipe),
+                   gap_std=std.get(recipe))
+        if recipe in mean and "quartet2" in mean and recipe != "quartet2" and mean[recipe] > 0:
+            row["quartet2_gap_reduction_pct"] = 100 * (1 - mean["quartet2"] / mean[recipe])
+        rows.append(row)
+        gap = f"{mean[recipe]:+.2f}% +- {std[recipe]:.2f}%" if recipe in mean else ""
+        reduction = f"{row['quartet2_gap_reduction_pct']:.0f}%" if "quartet2_gap_reduction_pct" in row else ""
+        print(f"{recipe:<16}" + "".join(f"{runs[s][recipe]:>10.4f}" for s in runs) + f"{gap:>18}{reduction:>22}")
+    return rows
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -314,17 +457,35 @@ def main(argv=None):
                           help="torch.compile the model (default), or --no-compile for eager")
     training.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
     training.add_argument("--profile", action="store_true", help="also print a torch.profiler table per model")
-    for command in (quant, kernel, linear, training):
+    grad = commands.add_parser("grad", help="gradient concentration per recipe (the paper's Figure 9)")
+    grad.add_argument("--recipes", default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr")
+    gpu = torch.cuda.is_available()  # on a CPU a smaller model and fewer tokens keep it to ~10 minutes
+    grad.add_argument("--batches", type=int, default=1024 if gpu else 256, help="the largest B")
+    grad.add_argument("--depth", type=int, default=12 if gpu else 4)
+    grad.add_argument("--tokens", type=int, default=4096 if gpu else 1024, help="tokens of the captured inputs (T)")
+    grad.add_argument("--seq-len", type=int, default=512)
+    grad.add_argument("--checkpoint", help="a train.py checkpoint to take the weights from (default: initialized)")
+    grad.add_argument("--seed", type=int, default=0)
+    grad.add_argument("--png", default="concentration.png", help="the log-log plot (with matplotlib)")
+    study = commands.add_parser("study", help="train.py for recipes x seeds, and the comparison table (GPU)")
+    study.add_argument("--recipes", default="bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")
+    study.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    study.add_argument("--preset", default="small")
+    study.add_argument("--out", default="runs/study", help="one train.py run directory per seed below it")
+    study.add_argument("train_flags", nargs="*", help="more train.py flags, after --")
+    for command in (quant, kernel, linear, training, grad, study):
         command.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
     if args.command == "train" and args.compile_mode is None:
         import train
         args.compile_mode = train.COMPILE_MODE
-    run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train)[args.command]
+    run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train, grad=bench_grad,
+               study=bench_study)[args.command]
     rows = run(args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(command=args.command, argv=sys.argv[1:], rows=rows), f, indent=1)
+    return rows
 
 
 if __name__ == "__main__":

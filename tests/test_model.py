@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch._dynamo
 
+import bench
 import kernels
 import model
 import train
@@ -39,19 +40,12 @@ def test_a_rotation_must_be_shared_by_both_operands_of_a_gemm():
         model.Recipe(e_dx=model.SR128, w_dx=model.SR)
 
 
-def forward_reference(recipe, x, w):
-    """The forward of a recipe from the references: the product of the dequantized operands, in FP64."""
-    operand = lambda t, q: t.double() if q is None else quantize_nvfp4(
-        t, q.rounding, q.four_over_six, q.block).dequantize().double()
-    return operand(x, recipe.x) @ operand(w, recipe.w).t()
-
-
 @pytest.mark.parametrize("recipe", [r for r in RECIPES if r != "bf16"])
 def test_the_forward_is_the_product_of_the_dequantized_operands(recipe):
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(256, 384, generator=g), torch.randn(128, 384, generator=g)
     out = RecipeLinear.apply(x, w, RECIPES[recipe])
-    exact = forward_reference(RECIPES[recipe], x, w)
+    exact = bench.forward_product(RECIPES[recipe], x, w)
     assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-6  # FP32 round-off
     if RECIPES[recipe].x is None:  # backward-only ablations: the forward is exactly BF16's
         assert torch.equal(out, x @ w.t())
@@ -70,13 +64,6 @@ def test_forward_only_recipes_have_an_exact_backward_of_the_quantized_forward(re
         assert ((ours.double() - exact).norm() / exact.norm()).item() < 1e-6
 
 
-def exact_gradients(recipe, x, w, e):
-    """dX = E W_used and dW = E^T X_used, where W_used and X_used are what the recipe's forward multiplied."""
-    operand = lambda t, q: t.double() if q is None else quantize_nvfp4(
-        t, q.rounding, q.four_over_six, q.block).dequantize().double()
-    return e.double() @ operand(w, recipe.w), e.double().t() @ operand(x, recipe.x)
-
-
 # Unbiased for the quantized forward: every recipe whose backward rounds stochastically or with MS-EDEN and
 # re-quantizes the forward's operands. Not the NVIDIA recipe: its dW rounds the rotated X to nearest, so its mean is
 # E^T times the rotation-averaged RTN of X, neither E^T X nor E^T X_q (its dX is unbiased).
@@ -93,7 +80,7 @@ def test_backward_is_unbiased_for_the_quantized_forward(recipe):
     g = torch.Generator().manual_seed(4)
     x, w, e = torch.randn(128, 256, generator=g), torch.randn(384, 256, generator=g) / 16, torch.randn(128, 384,
                                                                                                      generator=g)
-    exact = exact_gradients(RECIPES[recipe], x, w, e)
+    exact = bench.exact_gradients(RECIPES[recipe], x, w, e)
     torch.manual_seed(5)
     sums = [torch.zeros_like(t) for t in exact]
     growth = []

@@ -1,0 +1,45 @@
+"""bench.py's comparison commands: gradient concentration (the paper's Figure 9) and the study of recipes x seeds."""
+
+import gzip
+import json
+
+import pytest
+
+import bench
+import train
+
+
+def test_grad_measures_the_concentration_of_every_layer_and_gradient(tmp_path):
+    rows = bench.main(["grad", "--recipes", "quartet2", "--depth", "2", "--tokens", "256", "--seq-len", "128",
+                       "--batches", "8", "--png", str(tmp_path / "c.png")])
+    assert {(r["recipe"], r["layer"], r["gradient"]) for r in rows} == {
+        (recipe, layer, gradient) for recipe in ("quartet2", "bwd SR + 4/6 (biased)") for layer in ("c_q", "c_k", "c_v")
+        for gradient in ("dX", "dW")}
+    for row in rows:
+        assert row["batches"] == [1, 2, 4, 8]
+        if row["recipe"] == "quartet2":  # unbiased: the mean of 8 passes has ~1/8 of the error (1/4 is a wide band)
+            assert row["errors"][-1] < row["errors"][0] / 4, row
+
+
+@pytest.mark.slow
+def test_study_trains_every_seed_and_tabulates_the_gaps(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for split, count in (("train", 40), ("val", 8)):
+        with gzip.open(data / f"fineweb_edu_{split}_000.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps(dict(text=text)) + "\n" for text in train.local_texts(split)[:count])
+    flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "3",
+             "--eval-every", "3", "--eval-tokens", "512", "--data-dir", str(data)]
+    argv = ["study", "--preset", "tiny", "--recipes", "bf16,quartet2,nvidia", "--seeds", "0", "1", "--out",
+            str(tmp_path / "study"), "--", *flags]
+    rows = bench.main(argv)
+    again = bench.main(argv)  # a finished study is read back, not trained again
+    assert rows == again
+    by_recipe = {r["recipe"]: r for r in rows}
+    summaries = [json.load(open(tmp_path / "study" / f"seed{s}" / "summary.json"))["rows"] for s in (0, 1)]
+    gaps = [100 * (s[2]["val_bpb"] / s[0]["val_bpb"] - 1) for s in summaries]  # nvidia's gap in each seed
+    assert by_recipe["nvidia"]["gap_pct"] == pytest.approx(sum(gaps) / 2)
+    assert by_recipe["nvidia"]["gap_std"] == pytest.approx(abs(gaps[0] - gaps[1]) / 2 ** 0.5)
+    if by_recipe["nvidia"]["gap_pct"] > 0:
+        expected = 100 * (1 - by_recipe["quartet2"]["gap_pct"] / by_recipe["nvidia"]["gap_pct"])
+        assert by_recipe["nvidia"]["quartet2_gap_reduction_pct"] == pytest.approx(expected)
