@@ -199,7 +199,11 @@ def forward_backward(gpt, runner, tokens, seed):
     return loss.detach(), grads
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+MAIN_RECIPES = ("bf16", "quartet2", "nvidia")  # every recipe is checked; the others among the slow tests
+
+
+@pytest.mark.parametrize("recipe", [r if r in MAIN_RECIPES else pytest.param(r, marks=pytest.mark.slow)
+                                    for r in RECIPES])
 def test_the_whole_gpt_compiles_as_one_graph_and_matches_eager(recipe):
     gpt, tokens = random_gpt(recipe)
     explanation = torch._dynamo.explain(gpt)(tokens[:, :-1], tokens[:, 1:])
