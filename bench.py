@@ -334,11 +334,9 @@ def captured_layers(args, device):
 def bench_grad(args):
     """The relative error of the mean of B backward passes of a layer against the exact gradient of its quantized
     forward, for B = 1, 2, 4, ...: unbiased recipes fall like 1/B, a biased one levels off at its bias."""
-    from model import RECIPES, Q, Recipe, RecipeLinear
+    from model import RECIPES, RecipeLinear
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     recipes = {name: RECIPES[name] for name in args.recipes.split(",")}
-    sr46 = Q("sr", four_over_six=True, rotation=128)  # biased: four-over-six picks a branch by its error
-    recipes["bwd SR + 4/6 (biased)"] = Recipe(None, None, sr46, sr46, sr46, sr46)
     batches = [2**i for i in range(int(math.log2(args.batches)) + 1)]
     print(f"relative error of the mean of B backward passes, block 0 of a d{args.depth} GPT, {args.tokens} tokens "
           f"({device}); growth = B_max * error(B_max) / error(1): ~1 unbiased, larger biased")
@@ -351,7 +349,7 @@ def bench_grad(args):
             sums, errors = [torch.zeros_like(g) for g in exact], {}
             for b in range(1, batches[-1] + 1):
                 xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-                RecipeLinear.apply(xr, wr, recipe).backward(e)
+                RecipeLinear.apply(xr, wr, recipe_name).backward(e)
                 for total, grad in zip(sums, (xr.grad, wr.grad)):
                     total += grad.double()
                 if b in batches:
@@ -458,7 +456,7 @@ def main(argv=None):
     training.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
     training.add_argument("--profile", action="store_true", help="also print a torch.profiler table per model")
     grad = commands.add_parser("grad", help="gradient concentration per recipe (the paper's Figure 9)")
-    grad.add_argument("--recipes", default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr")
+    grad.add_argument("--recipes", default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46")
     gpu = torch.cuda.is_available()  # on a CPU a smaller model and fewer tokens keep it to ~10 minutes
     grad.add_argument("--batches", type=int, default=1024 if gpu else 256, help="the largest B")
     grad.add_argument("--depth", type=int, default=12 if gpu else 4)

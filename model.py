@@ -131,6 +131,8 @@ RECIPES = {
     "bwd_c_eden": Recipe(e_dx=EDEN, w_dx=EDEN),
     "bwd_e_sr": Recipe(None, None, SR128, SR128, SR128, SR128),
     "bwd_e_eden": Recipe(None, None, EDEN, EDEN, EDEN, EDEN),
+    # a biased backward for contrast (the paper's Figure 9): four-over-six picks each group's branch by its error
+    "bwd_e_sr46": Recipe(None, None, *[Q("sr", four_over_six=True, rotation=HADAMARD)] * 4),
 }
 
 
@@ -187,7 +189,8 @@ class RecipeLinear(torch.autograd.Function):
     """The three GEMMs of a linear layer, each operand quantized as the recipe says."""
 
     @staticmethod
-    def forward(ctx, x, w, recipe):  # x [T, in], w [out, in]
+    def forward(ctx, x, w, name):  # x [T, in], w [out, in]; name: a key of RECIPES
+        recipe = RECIPES[name]
         xq, wq = quantize(x, recipe.x, {}), quantize(w, recipe.w, {})  # along in
         ctx.recipe = recipe
         ops.save_for_backward(ctx, saved(x if recipe.x_dw_bf16 else xq, recipe.x_dw), saved(wq, recipe.w_dx))
@@ -234,7 +237,7 @@ def linear(x, weight, recipe):
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     tokens = x.reshape(-1, x.shape[-1]).to(dtype)  # [T, in]
     check_tokens(recipe, tokens.shape[0])
-    return RecipeLinear.apply(tokens, weight.to(dtype), RECIPES[recipe]).view(*x.shape[:-1], -1)
+    return RecipeLinear.apply(tokens, weight.to(dtype), recipe).view(*x.shape[:-1], -1)
 
 
 # -----------------------------------------------------------------------------

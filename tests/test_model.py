@@ -28,7 +28,7 @@ def test_every_recipe_without_quantization_is_exactly_bf16(recipe, dtype, monkey
     results = []
     for name in ("bf16", recipe):
         inputs, weight = x.clone().requires_grad_(), w.clone().requires_grad_()
-        out = RecipeLinear.apply(inputs, weight, RECIPES[name])
+        out = RecipeLinear.apply(inputs, weight, name)
         out.backward(e)
         results.append((out, inputs.grad, weight.grad))
     for reference, ours in zip(*results):
@@ -44,7 +44,7 @@ def test_a_rotation_must_be_shared_by_both_operands_of_a_gemm():
 def test_the_forward_is_the_product_of_the_dequantized_operands(recipe):
     g = torch.Generator().manual_seed(3)
     x, w = torch.randn(256, 384, generator=g), torch.randn(128, 384, generator=g)
-    out = RecipeLinear.apply(x, w, RECIPES[recipe])
+    out = RecipeLinear.apply(x, w, recipe)
     exact = bench.forward_product(RECIPES[recipe], x, w)
     assert ((out.double() - exact).norm() / exact.norm()).item() < 1e-6  # FP32 round-off
     if RECIPES[recipe].x is None:  # backward-only ablations: the forward is exactly BF16's
@@ -56,7 +56,7 @@ def test_forward_only_recipes_have_an_exact_backward_of_the_quantized_forward(re
     g = torch.Generator().manual_seed(4)
     x, w, e = torch.randn(128, 256, generator=g), torch.randn(384, 256, generator=g), torch.randn(128, 384, generator=g)
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    RecipeLinear.apply(xr, wr, RECIPES[recipe]).backward(e)
+    RecipeLinear.apply(xr, wr, recipe).backward(e)
     r = RECIPES[recipe]
     xq = quantize_nvfp4(x, r.x.rounding, r.x.four_over_six, r.x.block).dequantize()
     wq = quantize_nvfp4(w, r.w.rounding, r.w.four_over_six, r.w.block).dequantize()
@@ -86,7 +86,7 @@ def test_backward_is_unbiased_for_the_quantized_forward(recipe):
     growth = []
     for b in range(1, 257):
         xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-        RecipeLinear.apply(xr, wr, RECIPES[recipe]).backward(e)
+        RecipeLinear.apply(xr, wr, recipe).backward(e)
         for total, grad in zip(sums, (xr.grad, wr.grad)):
             total += grad.double()
         if b in (1, 4, 16, 64, 256):
@@ -101,7 +101,7 @@ def test_tetrajet2_draws_one_32_wide_rotation_for_its_four_operands(monkeypatch)
     drawn = []
     monkeypatch.setattr(model, "random_signs", lambda n, device=None: drawn.append(n) or random_signs(n, device=device))
     x, w = torch.randn(128, 256, requires_grad=True), torch.randn(256, 256, requires_grad=True)
-    RecipeLinear.apply(x, w, RECIPES["tetrajet2"]).sum().backward()
+    RecipeLinear.apply(x, w, "tetrajet2").sum().backward()
     assert drawn == [32]
 
 
@@ -112,7 +112,7 @@ def test_nvidia_recipe_gradient_error_is_the_sum_of_its_operands_errors():
     g = torch.Generator().manual_seed(6)
     x, w, e = (torch.randn(256, 256, generator=g) for _ in range(3))
     xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-    RecipeLinear.apply(xr, wr, RECIPES["nvidia"]).backward(e)
+    RecipeLinear.apply(xr, wr, "nvidia").backward(e)
     for grad, exact, expected in ((xr.grad, e @ w, 0.0359), (wr.grad, e.t() @ x, 0.0325)):
         error = ((grad - exact).norm() ** 2 / exact.norm() ** 2).item()
         assert 0.8 * expected < error < 1.2 * expected, (error, expected)
@@ -162,11 +162,11 @@ def test_model_shapes_and_bad_sizes():
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_double_backward_and_a_second_backward_raise(recipe):
     x, w = torch.randn(128, 128, requires_grad=True), torch.randn(128, 128, requires_grad=True)
-    y = RecipeLinear.apply(x, w, RECIPES[recipe])
+    y = RecipeLinear.apply(x, w, recipe)
     (dx,) = torch.autograd.grad(y.sum(), x, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad"):
         dx.sum().backward()  # the quantizers have no derivative: refused, not silently wrong
-    y = RecipeLinear.apply(x, w, RECIPES[recipe])
+    y = RecipeLinear.apply(x, w, recipe)
     y.sum().backward()
     with pytest.raises(RuntimeError, match="backward through the graph a second time"):
         y.sum().backward()  # saved tensors were freed: no doubled gradients
