@@ -14,12 +14,13 @@ BF16: at most 6 significant bits) for the emulated GEMM, which applies the FP32 
 
 Exactness. Each kernel performs the reference's floating-point operations in the same order (IEEE division via
 div_rn, E2M1/E4M3 rounding with integer bit arithmetic, exact on every backend), so codes and scales are bit-identical
-to the reference. Two exceptions: a rotation sums its products on tensor cores, whose FP32 accumulation order is
+to the reference. The exceptions: a rotation sums its products on tensor cores, whose FP32 accumulation order is
 their own, so for FP32 input a value can land on the other side of a rounding boundary (a few in 10^4 at most; the
-tests bound it); and the random bits come from Philox here and from torch's generator there, so random outputs are
-compared by their statistics.
+tests bound it); the re-quantization applies the saved tensor scale to the corrected scales instead of to the
+values (bounded the same way); and the random bits come from Philox here and from torch's generator there, so random
+outputs are compared by their statistics.
 
-Operators. quantize, ms_eden_pair and requantize_ms_eden, what model.py calls, are PyTorch custom operators
+Operators. quantize, ms_eden_pair, requantize_ms_eden and dequantize, what model.py calls, are PyTorch operators
 (torch.library): plain tensors in and out (codes, group scales, tensor scale, code * group_scale), the kernels on
 CUDA and the references of quantize.py and eden.py elsewhere, and a shape-only "fake" version with which
 torch.compile traces a whole model through them without a graph break. They take their randomness as tensors drawn
