@@ -425,7 +425,7 @@ def evaluate(model, windows, bytes_per_token, processes, args):
     return loss_sum / (math.log(2) * byte_sum)
 
 
-class Recipe:
+class Training:
     """One recipe's training: model, optimizers, data position and history, from scratch or from its checkpoint."""
 
     def __init__(self, recipe, args, processes, documents, run_id):
@@ -506,7 +506,7 @@ def train_recipe(recipe, args, processes, data, run_id):
     """Train one recipe from scratch or from its checkpoint; return its row of the summary table (None if it
     stopped early with --stop-after)."""
     documents, validation, bytes_per_token = data
-    training, device, losses = Recipe(recipe, args, processes, documents, run_id), processes.device, []
+    training, device, losses = Training(recipe, args, processes, documents, run_id), processes.device, []
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     began = time.time()
