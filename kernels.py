@@ -442,7 +442,8 @@ def _eden_kernel(
                 values = _saturate(_load_tile(x_ptr, stride_r, stride_c, row0, col0, _TILE, _TILE, False))
             else:
                 rows = row0 + tl.arange(0, _TILE)
-                packed = tl.load(in_codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, _TILE // 2))[None, :])
+                half = col0 // 2 + tl.arange(0, _TILE // 2)
+                packed = tl.load(in_codes_ptr + rows[:, None] * (C // 2) + half[None, :])
                 group_scale = _e4m3_value(tl.load(in_scales_ptr + rows[:, None] * (C // 16)
                                                   + (col0 // 16 + tl.arange(0, 8))[None, :]))
                 values = tl.reshape(tl.reshape(_e2m1_value(_unpack(packed, _TILE, _TILE)), (_TILE, 8, 16))
@@ -521,7 +522,8 @@ def _dequantize_kernel(codes_ptr, scales_ptr, tensor_scale_ptr, out_ptr, C, ROWS
     if TENSOR_SCALE:
         values = values * tl.load(tensor_scale_ptr)
     cols = col0 + tl.arange(0, _TILE)
-    tl.store(out_ptr + rows[:, None] * C + cols[None, :], tl.reshape(values, (ROWS, _TILE)).to(out_ptr.dtype.element_ty))
+    values = tl.reshape(values, (ROWS, _TILE)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], values)
 
 
 # -----------------------------------------------------------------------------

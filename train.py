@@ -522,7 +522,8 @@ def train_recipe(recipe, args, processes, data, run_id):
         losses.append(loss)
         remaining = (time.time() - began) / (step + 1 - training.start) * (args.steps - step - 1)
         processes.log(f"[{recipe}] step {step + 1:5d}/{args.steps} | loss {loss:.4f} | lr x{multiplier:.2f} | "
-                      f"{seconds * 1000:7.1f} ms | {args.batch_tokens / seconds:,.0f} tok/s | eta {remaining / 60:.1f} min")
+                      f"{seconds * 1000:7.1f} ms | {args.batch_tokens / seconds:,.0f} tok/s | "
+                      f"eta {remaining / 60:.1f} min")
         record = dict(run_id=run_id, recipe=recipe, step=step + 1, loss=loss, lr_multiplier=multiplier,
                       tokens_per_s=args.batch_tokens / seconds)
         done = step + 1 == args.steps

@@ -10,7 +10,8 @@ import train
 
 
 def test_grad_measures_the_concentration_of_every_layer_and_gradient(tmp_path):
-    rows = bench.main(["grad", "--recipes", "quartet2,bwd_e_sr46", "--depth", "2", "--tokens", "256", "--seq-len", "128",
+    rows = bench.main(["grad", "--recipes", "quartet2,bwd_e_sr46", "--depth", "2", "--tokens", "256",
+                       "--seq-len", "128",
                        "--batches", "8", "--png", str(tmp_path / "c.png")])
     assert {(r["recipe"], r["layer"], r["gradient"]) for r in rows} == {
         (recipe, layer, gradient) for recipe in ("quartet2", "bwd_e_sr46") for layer in ("c_q", "c_k", "c_v")

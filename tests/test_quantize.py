@@ -113,7 +113,8 @@ def test_rtn_is_lossless_on_the_grid(block):
     q, x = on_grid_tensor(64, 256, block, g)
     ours = quantize_nvfp4(x, block=block)
     assert torch.equal(ours.dequantize(), x)
-    assert torch.equal(ours.tensor_scale, q.tensor_scale) and torch.equal(ours.group_scale.float(), q.group_scale.float())
+    assert torch.equal(ours.tensor_scale, q.tensor_scale)
+    assert torch.equal(ours.group_scale.float(), q.group_scale.float())
     # codes agree except the sign of zeros
     same = (unpack_codes(ours.codes) == unpack_codes(q.codes)) | ((unpack_codes(q.codes) & 7) == 0)
     assert same.all()

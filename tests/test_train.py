@@ -44,7 +44,8 @@ def run(argv):
 
 
 def checkpoint(out, recipe):
-    return train.load_checkpoint(os.path.join(out, recipe, "checkpoint.pt"), json.load(open(out / "run.json"))["run_id"])
+    run_id = json.load(open(out / "run.json"))["run_id"]
+    return train.load_checkpoint(os.path.join(out, recipe, "checkpoint.pt"), run_id)
 
 
 def losses(out, recipe=None):
