@@ -558,11 +558,13 @@ def check_rotation(signs, sizes, what):
 ROTATIONS = (16, 32, 128)  # rotation widths of the quantizer: NVIDIA's 16, TetraJet-v2's 32, MS-EDEN's 128
 
 
-def _programs(tiles, device):
-    """Programs of a persistent kernel: one per multiprocessor (at most one per tile)."""
-    if device.type != "cuda":
-        return tiles
-    return min(tiles, torch.cuda.get_device_properties(device).multi_processor_count)
+def _persistent_grid(rows, cols, device):
+    """(programs, tiles per program) of the persistent MS-EDEN kernel over [rows, cols]: one program per
+    multiprocessor (at most one per 128x128 tile; one per tile in the interpreter)."""
+    tiles = rows * cols // TILE**2
+    programs = tiles if device.type != "cuda" else min(tiles,
+                                                        torch.cuda.get_device_properties(device).multi_processor_count)
+    return programs, triton.cdiv(tiles, programs)
 
 
 def _dot_fp32(x):
@@ -579,13 +581,11 @@ def draw_seed(device):
 def _amax(x, transpose=False, signs=None):
     """Absolute maximum of x (or of rht(x or x^T, signs)) as int32 bits in a 1-element tensor, without a host sync."""
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
-    if signs is None and not transpose:
+    if signs is None:  # without rotation, x^T has the maximum of x
         x = x.contiguous()
         _amax_kernel[(triton.cdiv(x.numel(), AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=AMAX_BLOCK)
         return amax
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
-    if signs is None:  # a transposed read without rotation has the same maximum
-        return _amax(x)
     _rotated_amax_kernel[(rows // QUANTIZE_ROWS, cols // TILE)](
         x, *x.stride(), signs, amax, ROWS=QUANTIZE_ROWS, N=signs.numel(), TRANSPOSE=transpose, DOT_FP32=_dot_fp32(x))
     return amax
@@ -593,9 +593,14 @@ def _amax(x, transpose=False, signs=None):
 
 def empty_quantized(rows, cols, block, out_dtype, device):
     """Outputs of a quantizer of [rows, cols]: codes, group scales, tensor scale, code * group_scale."""
+    return (torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),) + empty_scales(rows, cols, block,
+                                                                                             out_dtype, device)
+
+
+def empty_scales(rows, cols, block, out_dtype, device):
+    """The outputs besides the codes: group scales, tensor scale, code * group_scale."""
     scale_rows = rows if block == "1x16" else rows // GROUP
-    return (torch.empty(rows, cols // 2, dtype=torch.uint8, device=device),
-            torch.empty(scale_rows, cols // GROUP, dtype=torch.float8_e4m3fn, device=device),
+    return (torch.empty(scale_rows, cols // GROUP, dtype=torch.float8_e4m3fn, device=device),
             torch.empty((), dtype=torch.float32, device=device),
             torch.empty(rows, cols, dtype=out_dtype, device=device))
 
@@ -640,17 +645,15 @@ def eden_phase1(x, signs):
     check_rotation(signs, (HADAMARD,), "MS-EDEN")
     rows, cols = x.shape
     row_out, col_out = _phase1_outputs(rows, cols, x.device), _phase1_outputs(cols, rows, x.device)
-    tiles = rows * cols // TILE**2
-    programs = _programs(tiles, x.device)
+    programs, per_program = _persistent_grid(rows, cols, x.device)
     _eden_kernel[(programs,)](
         x, *x.stride(), None, None, None, signs.to(device=x.device, dtype=torch.float32), *row_out, *col_out,
-        rows, cols, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), DOT_FP32=_dot_fp32(x), num_warps=EDEN_WARPS)
+        rows, cols, TILES_PER_PROGRAM=per_program, DOT_FP32=_dot_fp32(x), num_warps=EDEN_WARPS)
     return row_out, col_out
 
 
 def check_nvfp4(q, what, multiple):
-    """Raise a ValueError unless q is a 2-D 1x16 NVFP4Tensor whose shape is a multiple of [multiple, multiple], on a
-    device the kernels run on."""
+    """Raise a ValueError unless q is a 2-D 1x16 NVFP4Tensor whose shape is a multiple of [multiple, multiple]."""
     if not isinstance(q, NVFP4Tensor) or q.block != "1x16" or len(q.shape) != 2:
         raise ValueError(f"{what} needs a 2-D NVFP4Tensor with 1x16 groups, got {type(q).__name__}")
     if q.shape[0] % multiple or q.shape[1] % multiple:
@@ -664,12 +667,11 @@ def eden_phase1_requantize(q, signs):
     check_rotation(signs, (HADAMARD,), "requantize_ms_eden")
     rows, cols = q.shape
     out = _phase1_outputs(cols, rows, q.codes.device)
-    tiles = rows * cols // TILE**2
-    programs = _programs(tiles, q.codes.device)
+    programs, per_program = _persistent_grid(rows, cols, q.codes.device)
     _eden_kernel[(programs,)](
         None, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale,
         signs.to(device=q.codes.device, dtype=torch.float32), None, None, None, *out,
-        rows, cols, TILES_PER_PROGRAM=triton.cdiv(tiles, programs), DOT_FP32=INTERPRETED, num_warps=EDEN_WARPS)
+        rows, cols, TILES_PER_PROGRAM=per_program, DOT_FP32=INTERPRETED, num_warps=EDEN_WARPS)
     return out
 
 
@@ -681,7 +683,7 @@ def eden_phase2(first, second=None, seed=None, out_dtype=torch.bfloat16, scaled_
     results, arguments = [], []
     for codes, corrected, amax in parts:
         rows, cols = codes.shape[0], codes.shape[1] * 2
-        _, scales, tensor_scale, scaled = empty_quantized(rows, cols, "1x16", out_dtype, codes.device)
+        scales, tensor_scale, scaled = empty_scales(rows, cols, "1x16", out_dtype, codes.device)
         scaled = scaled if scaled_codes else None
         results.append(NVFP4Tensor(codes, scales, tensor_scale, torch.Size((rows, cols)), "1x16", scaled))
         arguments.append((corrected, amax, codes, scales.view(torch.uint8), scaled, tensor_scale, corrected.numel()))
@@ -729,9 +731,17 @@ def _parts(q):
     return q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, q.scaled_codes
 
 
+def _nvfp4(parts, block):
+    """The NVFP4Tensor of an operator's tensors (_parts' inverse); the code * group_scale cache may be None."""
+    codes, scale_bits, tensor_scale, scaled = parts
+    return NVFP4Tensor(codes, scale_bits.view(torch.float8_e4m3fn), tensor_scale,
+                       torch.Size((codes.shape[0], codes.shape[1] * 2)), block, scaled)
+
+
 def _fake(rows, cols, block, out_dtype, device):
-    return _parts(NVFP4Tensor(*empty_quantized(rows, cols, block, out_dtype, device)[:3], torch.Size((rows, cols)),
-                              block))[:3] + (torch.empty(rows, cols, dtype=out_dtype, device=device),)
+    """Outputs of the right shapes and dtypes, for tracing."""
+    codes, scales, tensor_scale, scaled = empty_quantized(rows, cols, block, out_dtype, device)
+    return codes, scales.view(torch.uint8), tensor_scale, scaled
 
 
 def _reference_parts(q, out_dtype):
@@ -780,8 +790,7 @@ def _(x, signs, seed, out_dtype):
 @torch.library.custom_op("nanoquartet::requantize_ms_eden", mutates_args=())
 def _requantize_op(codes: Tensor, group_scale: Tensor, tensor_scale: Tensor, signs: Tensor, seed: Tensor,
                    out_dtype: torch.dtype) -> Quantized:
-    q = NVFP4Tensor(codes, group_scale.view(torch.float8_e4m3fn), tensor_scale,
-                    torch.Size((codes.shape[0], codes.shape[1] * 2)))
+    q = _nvfp4((codes, group_scale, tensor_scale, None), "1x16")
     if codes.is_cuda:
         return _parts(triton_requantize_ms_eden(q, signs, seed, out_dtype))
     return _reference_parts(quantize_ms_eden(q.dequantize().t(), signs, _generator(seed)), out_dtype)
@@ -795,8 +804,7 @@ def _(codes, group_scale, tensor_scale, signs, seed, out_dtype):
 @torch.library.custom_op("nanoquartet::dequantize", mutates_args=())
 def _dequantize_op(codes: Tensor, group_scale: Tensor, tensor_scale: Tensor, block: str, dtype: torch.dtype,
                    with_tensor_scale: bool) -> Tensor:
-    q = NVFP4Tensor(codes, group_scale.view(torch.float8_e4m3fn), tensor_scale,
-                    torch.Size((codes.shape[0], codes.shape[1] * 2)), block)
+    q = _nvfp4((codes, group_scale, tensor_scale, None), block)
     if codes.is_cuda and q.shape[0] % DEQUANTIZE_ROWS == 0 and q.shape[1] % TILE == 0:
         return triton_dequantize(q, dtype, with_tensor_scale)
     return q.dequantize(dtype, with_tensor_scale)
@@ -809,12 +817,6 @@ def _(codes, group_scale, tensor_scale, block, dtype, with_tensor_scale):
 
 # -----------------------------------------------------------------------------
 # What model.py calls
-
-
-def _nvfp4(parts, block):
-    codes, scale_bits, tensor_scale, scaled = parts
-    return NVFP4Tensor(codes, scale_bits.view(torch.float8_e4m3fn), tensor_scale,
-                       torch.Size((codes.shape[0], codes.shape[1] * 2)), block, scaled)
 
 
 def quantize(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2M1_MAX, transpose=False, signs=None,

@@ -386,6 +386,21 @@ def keep_metrics(out, recipe, step):
 # Training one recipe
 
 
+def micro_batch_problem(args, device_batch, world):
+    """Why micro-batches of device_batch windows on each of `world` devices cannot make up a step of --batch-tokens,
+    or why a recipe refuses their tokens (the model's own rule); None if they can."""
+    per_step = args.seq_len * device_batch * world
+    if args.batch_tokens % per_step:
+        return (f"--batch-tokens {args.batch_tokens} must be a multiple of seq_len x device_batch x GPUs = "
+                f"{args.seq_len} x {device_batch} x {world} = {per_step}")
+    for recipe in args.recipes:
+        try:
+            check_tokens(recipe, args.seq_len * device_batch)
+        except ValueError as error:
+            return str(error)
+    return None
+
+
 def fit_device_batch(model, args, processes):
     """The largest micro-batch, from the preset's down by halves, whose forward + backward fits in 90% of the GPU's
     memory (the rest is for the optimizer's state); every rank takes the smallest of their choices."""
@@ -398,8 +413,7 @@ def fit_device_batch(model, args, processes):
                 model(tokens[:, :-1], tokens[:, 1:]).backward()
             break
         except torch.cuda.OutOfMemoryError:
-            if batch == 1 or args.batch_tokens % (args.seq_len * batch // 2 * processes.world) or (
-                    args.seq_len * batch // 2) % 128 and args.recipes != ["bf16"]:
+            if batch == 1 or micro_batch_problem(args, batch // 2, processes.world):
                 raise TrainingError(f"a micro-batch of {batch} x {args.seq_len} tokens does not fit in the GPU's "
                                     f"memory, nor does a smaller one; use a smaller --seq-len or model") from None
             batch //= 2
@@ -666,15 +680,13 @@ def resolve(args, processes):
             raise TrainingError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
     if not 0 <= args.warmdown <= 1:
         raise TrainingError(f"--warmdown must be a fraction in [0, 1], got {args.warmdown}")
-    per_step = args.seq_len * args.device_batch * processes.world
-    if args.batch_tokens % per_step:
-        raise TrainingError(f"--batch-tokens {args.batch_tokens} must be a multiple of seq_len x device_batch x "
-                            f"GPUs = {args.seq_len} x {args.device_batch} x {processes.world} = {per_step}")
-    try:  # the model's own rules (depth, layer sizes, tokens per micro-batch), checked on a weightless model
+    problem = micro_batch_problem(args, args.device_batch, processes.world)
+    if problem:
+        raise TrainingError(problem)
+    try:  # the model's own rules (depth, layer sizes), checked on a weightless model
         with torch.device("meta"):
             for recipe in args.recipes:
                 GPT(args.depth, recipe, max_seq_len=args.seq_len)
-                check_tokens(recipe, args.seq_len * args.device_batch)
     except ValueError as error:
         raise TrainingError(str(error)) from None
     if os.path.exists(args.out) and not os.path.isdir(args.out):
