@@ -403,8 +403,10 @@ def plot_concentration(rows, path):
 
 def bench_study(args):
     """train.py for every seed (resuming what a previous invocation left), then the comparison: mean gap to BF16 +-
-    its standard deviation over seeds, and how much smaller Quartet II's gap is than each other recipe's."""
+    its standard deviation over seeds, and how much smaller Quartet II's gap is than each baseline's (the recipes
+    that quantize both passes; an ablation quantizes one)."""
     import train
+    from model import RECIPES
     recipes, runs = args.recipes.split(","), {}
     for seed in args.seeds:
         out = os.path.join(args.out, f"seed{seed}")
@@ -417,17 +419,19 @@ def bench_study(args):
         runs[seed] = {r["recipe"]: r["val_bpb"] for r in json.load(open(os.path.join(out, "summary.json")))["rows"]}
     gaps = {r: [100 * (bpb[r] / bpb["bf16"] - 1) for bpb in runs.values()] for r in recipes if r != "bf16"}
     mean = {r: sum(g) / len(g) for r, g in gaps.items()}
-    std = {r: (sum((x - mean[r]) ** 2 for x in g) / max(1, len(g) - 1)) ** 0.5 for r, g in gaps.items()}
+    std = {r: (sum((x - mean[r]) ** 2 for x in g) / (len(g) - 1)) ** 0.5 for r, g in gaps.items() if len(g) > 1}
     print(f"\npreset {args.preset}, seeds {list(runs)}: final validation bpb, gap to BF16 (mean +- std over seeds)")
     print(f"{'recipe':<16}" + "".join(f"{f'seed {s}':>10}" for s in runs) + f"{'gap':>18}{'Q-II gap smaller by':>22}")
     rows = []
     for recipe in recipes:
         row = dict(recipe=recipe, bpb={s: runs[s][recipe] for s in runs}, gap_pct=mean.get(recipe),
                    gap_std=std.get(recipe))
-        if recipe in mean and "quartet2" in mean and recipe != "quartet2" and mean[recipe] > 0:
+        baseline = RECIPES[recipe].x is not None and RECIPES[recipe].e_dx is not None  # quantizes both passes
+        if baseline and recipe in mean and "quartet2" in mean and recipe != "quartet2" and mean[recipe] > 0:
             row["quartet2_gap_reduction_pct"] = 100 * (1 - mean["quartet2"] / mean[recipe])
         rows.append(row)
-        gap = f"{mean[recipe]:+.2f}% +- {std[recipe]:.2f}%" if recipe in mean else ""
+        gap = f"{mean[recipe]:+.2f}%" if recipe in mean else ""
+        gap += f" +- {std[recipe]:.2f}%" if recipe in std else ""  # one seed has no spread to show
         reduction = f"{row['quartet2_gap_reduction_pct']:.0f}%" if "quartet2_gap_reduction_pct" in row else ""
         print(f"{recipe:<16}" + "".join(f"{runs[s][recipe]:>10.4f}" for s in runs) + f"{gap:>18}{reduction:>22}")
     return rows

@@ -44,3 +44,15 @@ def test_study_trains_every_seed_and_tabulates_the_gaps(tmp_path):
     if by_recipe["nvidia"]["gap_pct"] > 0:
         expected = 100 * (1 - by_recipe["quartet2"]["gap_pct"] / by_recipe["nvidia"]["gap_pct"])
         assert by_recipe["nvidia"]["quartet2_gap_reduction_pct"] == pytest.approx(expected)
+
+
+def test_study_of_finished_runs_one_seed_has_no_spread_and_an_ablation_no_reduction(tmp_path):
+    bpb = dict(bf16=1.0, quartet2=1.003, nvidia=1.004, fwd_1x16=1.002)  # gaps +0.3%, +0.4%, +0.2%
+    (tmp_path / "seed0").mkdir()
+    rows = [dict(recipe=recipe, val_bpb=value) for recipe, value in bpb.items()]
+    json.dump(dict(rows=rows), open(tmp_path / "seed0" / "summary.json", "w"))
+    by_recipe = {r["recipe"]: r for r in bench.main(["study", "--recipes", ",".join(bpb), "--seeds", "0", "--out",
+                                                     str(tmp_path)])}
+    assert by_recipe["nvidia"]["gap_pct"] == pytest.approx(0.4) and by_recipe["nvidia"]["gap_std"] is None
+    assert by_recipe["nvidia"]["quartet2_gap_reduction_pct"] == pytest.approx(25)  # 1 - 0.3 / 0.4
+    assert "quartet2_gap_reduction_pct" not in by_recipe["fwd_1x16"]  # forward only: not a baseline
