@@ -30,6 +30,7 @@ given a larger --steps. A non-finite loss stops the run, naming the step; the la
 
 import argparse
 import contextlib
+import fcntl
 import glob
 import gzip
 import hashlib
@@ -39,7 +40,6 @@ import json
 import math
 import os
 import random
-import socket
 import sys
 import time
 import uuid
@@ -278,30 +278,21 @@ def write_atomically(path, write):
 
 
 def lock(out):
-    """Take OUT/.lock, or refuse while a live process holds it. Returns the function that releases it."""
-    path, me = os.path.join(out, ".lock"), f"{os.getpid()}@{socket.gethostname()}"
-    for _ in range(2):
-        try:
-            with open(path, "x") as f:  # "x": created only if it does not exist, atomically
-                f.write(me)
-            return lambda: os.remove(path)
-        except FileExistsError:
-            holder = open(path).read().strip()
-            pid, _, host = holder.partition("@")
-            if host != socket.gethostname() or not pid.isdigit() or alive(int(pid)):
-                raise TrainingError(f"{out} is in use by another run ({holder}); wait for it or use another --out")
-            os.remove(path)  # left behind by a process that died: take it over
-    raise TrainingError(f"could not lock {out}")
-
-
-def alive(pid):
+    """Create OUT and take OUT/.lock, an flock the OS drops when its process ends (even by a crash), or refuse while
+    another process holds it. Returns the function that releases it."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise TrainingError(f"--out {out} is a file, not a directory")
     try:
-        os.kill(pid, 0)  # signal 0: only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, as another user's
-        pass
-    return True
+        os.makedirs(out, exist_ok=True)
+        held = open(os.path.join(out, ".lock"), "a")
+    except OSError as error:
+        raise TrainingError(f"--out {out} is not writable ({error.strerror})") from None
+    try:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        held.close()
+        raise TrainingError(f"{out} is in use by another run; wait for it or use another --out") from None
+    return held.close
 
 
 def open_run(args, processes):
@@ -689,14 +680,6 @@ def resolve(args, processes):
                 GPT(args.depth, recipe, max_seq_len=args.seq_len)
     except ValueError as error:
         raise TrainingError(str(error)) from None
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise TrainingError(f"--out {args.out} is a file, not a directory")
-    try:
-        os.makedirs(args.out, exist_ok=True)
-        write_atomically(os.path.join(args.out, ".writable"), lambda name: open(name, "w").close())
-        os.remove(os.path.join(args.out, ".writable"))
-    except OSError as error:
-        raise TrainingError(f"--out {args.out} is not writable ({error.strerror})") from None
     return args
 
 
@@ -706,12 +689,12 @@ def main(argv=None):
     try:
         processes = Processes(args.device)
         args = resolve(args, processes)
+        if processes.rank == 0:  # the one process that writes to OUT
+            release = lock(args.out)
         tokenizer = gpt2_tokenizer()
         documents, validation = data_sources(args, tokenizer)
         data = (documents, validation_windows(validation, args.seq_len, args.eval_tokens // args.seq_len,
                                               args.device_batch * processes.world), token_bytes(tokenizer))
-        if processes.rank == 0:
-            release = lock(args.out)
         run_id = open_run(args, processes)
         processes.log(f"device {processes.device} x {processes.world}, preset {args.preset}: depth {args.depth}, "
                       f"seq_len {args.seq_len}, {args.batch_tokens:,} tokens/step, {args.steps} steps, recipes "

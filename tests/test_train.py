@@ -1,6 +1,7 @@
 """train.py: data, bits per byte, runs that never lose work (resume, run identity, lock, checksums, DDP), and its
 one-line errors."""
 
+import fcntl
 import gzip
 import importlib.util
 import json
@@ -122,7 +123,8 @@ def test_tiny_run_writes_metrics_summary_and_plot(small_data, tmp_path):
     assert [r["recipe"] for r in summary["rows"]] == ["bf16", "quartet2"]
     assert summary["rows"][0]["gap_pct"] == 0 and math.isfinite(summary["rows"][1]["val_bpb"])
     assert (tmp_path / "loss.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
-    assert not (tmp_path / ".lock").exists()  # released
+    with open(tmp_path / ".lock") as f:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: free to take (BlockingIOError if held)
 
 
 @pytest.mark.slow
@@ -194,10 +196,10 @@ def test_resume_refuses_changed_run_flags_and_allows_harmless_ones(small_data, t
 
 
 def test_a_second_run_into_the_same_directory_is_locked_out(small_data, tmp_path):
-    tmp_path.mkdir(exist_ok=True)
-    (tmp_path / ".lock").write_text(f"{os.getpid()}@{__import__('socket').gethostname()}")  # a live holder
-    assert_one_line_error(run(tiny_args(small_data, tmp_path, "--steps", "1")), "in use by another run")
-    (tmp_path / ".lock").write_text(f"999999999@{__import__('socket').gethostname()}")  # a dead holder
+    with open(tmp_path / ".lock", "a") as held:  # another run's lock (flock: per open file, even in one process)
+        fcntl.flock(held, fcntl.LOCK_EX)
+        assert_one_line_error(run(tiny_args(small_data, tmp_path, "--steps", "1")), "in use by another run")
+    # the lock file of a run that ended (or crashed) holds no lock
     assert run(tiny_args(small_data, tmp_path, "--steps", "1", "--recipe", "bf16")) is None
 
 
@@ -292,6 +294,7 @@ def test_bad_settings_give_a_one_line_error(argv, expected, tmp_path):
 def test_bad_files_give_a_one_line_error(small_data, tmp_path):
     (tmp_path / "a_file").write_text("")
     assert_one_line_error(run(tiny_args(small_data, tmp_path / "a_file")), "is a file")
+    assert_one_line_error(run(tiny_args(small_data, tmp_path / "a_file" / "out")), "not writable")  # even as root
     read_only = tmp_path / "read_only"
     read_only.mkdir(mode=0o500)
     if not os.access(read_only, os.W_OK):  # root can write anywhere
