@@ -487,13 +487,15 @@ class Training:
                     loss = self.trained(chunk[:, :-1], chunk[:, 1:])
                 (loss / len(micro_batches)).backward()
             loss_sum += loss.detach()
+        self.adamw.step()
+        self.muon.step()
+        self.model.zero_grad(set_to_none=True)
+        # The loss is read only now, so that the host queues the optimizer while the GPU finishes the backward. A
+        # non-finite loss has then spoiled the weights, but they are never saved: the last checkpoint stays good.
         loss = processes.all_sum(loss_sum).item() / (len(micro_batches) * processes.world)
         if not math.isfinite(loss):
             raise TrainingError(f"[{self.name}] non-finite loss ({loss}) at step {step + 1}; stopping. The last "
                                 f"good checkpoint (if any) is kept at {self.path}")
-        self.adamw.step()
-        self.muon.step()
-        self.model.zero_grad(set_to_none=True)
         return loss, multiplier
 
     def save(self, step):
