@@ -417,6 +417,9 @@ def bench_study(args):
             if train.main(flags + resume + args.train_flags) is not None:
                 continue
         runs[seed] = {r["recipe"]: r["val_bpb"] for r in json.load(open(os.path.join(out, "summary.json")))["rows"]}
+        missing = [r for r in recipes if r not in runs[seed]]
+        if missing:  # a finished run of other recipes: training more into it would need another run directory
+            sys.exit(f"bench.py: error: {out} holds a finished run without {','.join(missing)}; use another --out")
     gaps = {r: [100 * (bpb[r] / bpb["bf16"] - 1) for bpb in runs.values()] for r in recipes if r != "bf16"}
     mean = {r: sum(g) / len(g) for r, g in gaps.items()}
     std = {r: (sum((x - mean[r]) ** 2 for x in g) / (len(g) - 1)) ** 0.5 for r, g in gaps.items() if len(g) > 1}

@@ -56,3 +56,10 @@ def test_study_of_finished_runs_one_seed_has_no_spread_and_an_ablation_no_reduct
     assert by_recipe["nvidia"]["gap_pct"] == pytest.approx(0.4) and by_recipe["nvidia"]["gap_std"] is None
     assert by_recipe["nvidia"]["quartet2_gap_reduction_pct"] == pytest.approx(25)  # 1 - 0.3 / 0.4
     assert "quartet2_gap_reduction_pct" not in by_recipe["fwd_1x16"]  # forward only: not a baseline
+
+
+def test_study_refuses_a_finished_run_that_lacks_a_recipe(tmp_path):
+    (tmp_path / "seed0").mkdir()
+    json.dump(dict(rows=[dict(recipe="bf16", val_bpb=1.0)]), open(tmp_path / "seed0" / "summary.json", "w"))
+    with pytest.raises(SystemExit, match="without quartet2; use another --out"):
+        bench.main(["study", "--recipes", "bf16,quartet2", "--seeds", "0", "--out", str(tmp_path)])
