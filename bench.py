@@ -280,7 +280,7 @@ def bench_train(args):
         preset = train.PRESETS.get(f"d{depth}", train.PRESETS["d12"])
         accumulation = max(1, preset["batch_tokens"] // tokens)
         baseline = None  # BF16's tokens/s at this depth, when bf16 is among the recipes (it comes first by default)
-        for recipe in args.recipes.split(","):
+        for recipe in args.recipes:
             ms_fb, ms_opt, peak_memory = training_step(depth, recipe, args, device, accumulation)
             torch._dynamo.reset()
             torch.cuda.empty_cache()
@@ -336,7 +336,7 @@ def bench_grad(args):
     forward, for B = 1, 2, 4, ...: unbiased recipes fall like 1/B, a biased one levels off at its bias."""
     from model import RECIPES, RecipeLinear
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    recipes = {name: RECIPES[name] for name in args.recipes.split(",")}
+    recipes = {name: RECIPES[name] for name in args.recipes}
     batches = [2**i for i in range(int(math.log2(args.batches)) + 1)]
     print(f"relative error of the mean of B backward passes, block 0 of a d{args.depth} GPT, {args.tokens} tokens "
           f"({device}); growth = B_max * error(B_max) / error(1): ~1 unbiased, larger biased")
@@ -407,7 +407,7 @@ def bench_study(args):
     that quantize both passes; an ablation quantizes one)."""
     import train
     from model import RECIPES
-    recipes, runs = args.recipes.split(","), {}
+    recipes, runs = args.recipes, {}
     for seed in args.seeds:
         out = os.path.join(args.out, f"seed{seed}")
         flags = ["--preset", args.preset, "--recipe", ",".join(recipes), "--seed", str(seed), "--out", out]
@@ -440,6 +440,15 @@ def bench_study(args):
     return rows
 
 
+def recipe_list(text):
+    """argparse type of --recipes: model.recipe_names, its error as argparse's."""
+    from model import recipe_names
+    try:
+        return recipe_names(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -455,7 +464,7 @@ def main(argv=None):
     linear.add_argument("--only", nargs="*", help="layer names containing these words (e.g. 3B d20)")
     training = commands.add_parser("train", help="a training step per recipe (GPU)")
     training.add_argument("--depth", type=int, nargs="+", default=[12, 20])
-    training.add_argument("--recipes", default="bf16,quartet2,nvidia")
+    training.add_argument("--recipes", default="bf16,quartet2,nvidia", type=recipe_list)
     training.add_argument("--seq-len", type=int, default=2048)
     training.add_argument("--device-batch", type=int, default=16)
     training.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
@@ -463,7 +472,8 @@ def main(argv=None):
     training.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
     training.add_argument("--profile", action="store_true", help="also print a torch.profiler table per model")
     grad = commands.add_parser("grad", help="gradient concentration per recipe (the paper's Figure 9)")
-    grad.add_argument("--recipes", default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46")
+    grad.add_argument("--recipes", type=recipe_list,
+                      default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46")
     gpu = torch.cuda.is_available()  # on a CPU a smaller model and fewer tokens keep it to ~10 minutes
     grad.add_argument("--batches", type=int, default=1024 if gpu else 256, help="the largest B")
     grad.add_argument("--depth", type=int, default=12 if gpu else 4)
@@ -473,7 +483,8 @@ def main(argv=None):
     grad.add_argument("--seed", type=int, default=0)
     grad.add_argument("--png", default="concentration.png", help="the log-log plot (with matplotlib)")
     study = commands.add_parser("study", help="train.py for recipes x seeds, and the comparison table (GPU)")
-    study.add_argument("--recipes", default="bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")
+    study.add_argument("--recipes", type=recipe_list,
+                       default="bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")
     study.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     study.add_argument("--preset", default="small")
     study.add_argument("--out", default="runs/study", help="one train.py run directory per seed below it")

@@ -136,6 +136,15 @@ RECIPES = {
 }
 
 
+def recipe_names(text):
+    """The recipes of a comma-separated list ("bf16,quartet2"), each a key of RECIPES (else a ValueError)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in RECIPES]
+    if unknown or not names:
+        raise ValueError(f"unknown recipe(s) {unknown or text!r}; choose from {','.join(RECIPES)}")
+    return names
+
+
 def saved(t, requantizer):
     """What the backward keeps of a forward operand: of an NVFP4Tensor it re-quantizes, the packed form only (0.56
     bytes per element); one it uses as it is keeps its values (code * group scale) too."""

@@ -51,7 +51,7 @@ import torch.distributed as dist
 from tiktoken.load import load_tiktoken_bpe
 
 from kernels import native_fp4_available
-from model import GPT, GPT2_VOCAB, RECIPES, check_tokens, make_optimizers
+from model import GPT, GPT2_VOCAB, RECIPES, check_tokens, make_optimizers, recipe_names
 
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
@@ -659,10 +659,10 @@ def resolve(args, processes):
             setattr(args, key, value)
     args.dtype = args.dtype or ("bfloat16" if processes.device.type == "cuda" else "float32")
     args.compile = processes.device.type == "cuda" if args.compile is None else args.compile
-    args.recipes = [r.strip() for r in args.recipe.split(",") if r.strip()]
-    unknown = [r for r in args.recipes if r not in RECIPES]
-    if unknown or not args.recipes:
-        raise TrainingError(f"unknown recipe(s) {unknown or args.recipe!r}; choose from {','.join(RECIPES)}")
+    try:
+        args.recipes = recipe_names(args.recipe)
+    except ValueError as error:
+        raise TrainingError(str(error)) from None
     numbers = dict(depth=1, seq_len=1, device_batch=1, batch_tokens=1, steps=1, eval_every=1, eval_tokens=1,
                    checkpoint_every=1, warmup_steps=0, stop_after=0, val_docs=0)  # smallest allowed value
     for name, smallest in numbers.items():

@@ -63,3 +63,10 @@ def test_study_refuses_a_finished_run_that_lacks_a_recipe(tmp_path):
     json.dump(dict(rows=[dict(recipe="bf16", val_bpb=1.0)]), open(tmp_path / "seed0" / "summary.json", "w"))
     with pytest.raises(SystemExit, match="without quartet2; use another --out"):
         bench.main(["study", "--recipes", "bf16,quartet2", "--seeds", "0", "--out", str(tmp_path)])
+
+
+@pytest.mark.parametrize("command", ["grad", "study", "train"])
+def test_an_unknown_recipe_is_a_one_line_error_naming_it(command, capsys):
+    with pytest.raises(SystemExit):
+        bench.main([command, "--recipes", "quartet2,quartet9"])
+    assert "unknown recipe(s) ['quartet9']" in capsys.readouterr().err
