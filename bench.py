@@ -307,10 +307,18 @@ def captured_layers(args, device):
     of a train.py checkpoint."""
     import train
     from model import GPT
+    if args.tokens < args.seq_len or args.tokens % args.seq_len:
+        raise ValueError(f"--tokens must be a multiple of --seq-len {args.seq_len}, got {args.tokens}")
     torch.manual_seed(args.seed)
     gpt = GPT(args.depth, "bf16", max_seq_len=args.seq_len).to(device)
     if args.checkpoint:
-        gpt.load_state_dict(torch.load(args.checkpoint, map_location=device, weights_only=True)["model"])
+        if not os.path.isfile(args.checkpoint):
+            raise ValueError(f"--checkpoint {args.checkpoint} not found (a train.py OUT/RECIPE/checkpoint.pt)")
+        try:
+            gpt.load_state_dict(train.load_checkpoint(args.checkpoint)["model"])
+        except RuntimeError:  # the tensors' shapes differ
+            raise ValueError(f"{args.checkpoint} holds another model size than --depth {args.depth} --seq-len "
+                             f"{args.seq_len}: pass the run's") from None
     else:
         with torch.no_grad():
             for module in [gpt.lm_head] + [m for block in gpt.blocks for m in (block.attn.c_proj, block.mlp.c_proj)]:
@@ -492,12 +500,15 @@ def main(argv=None):
     for command in (quant, kernel, linear, training, grad, study):
         command.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    import train
     if args.command == "train" and args.compile_mode is None:
-        import train
         args.compile_mode = train.COMPILE_MODE
     run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train, grad=bench_grad,
                study=bench_study)[args.command]
-    rows = run(args)
+    try:
+        rows = run(args)
+    except (ValueError, OSError, train.TrainingError) as error:  # bad flags or files: one line, no traceback
+        sys.exit(f"bench.py: error: {error}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(dict(command=args.command, argv=sys.argv[1:], rows=rows), f, indent=1)

@@ -334,8 +334,9 @@ def save_checkpoint(path, state):
         payload.numpy()).hexdigest()), name))
 
 
-def load_checkpoint(path, run_id):
-    """The checkpoint at path, checked: plain data (weights_only, so no code runs), intact, and of this run."""
+def load_checkpoint(path, run_id=None):
+    """The checkpoint at path, checked: plain data (weights_only, so no code runs), intact, and of this run (of any
+    run if run_id is None)."""
     try:
         outer = torch.load(path, map_location="cpu", weights_only=True)
         intact = hashlib.sha256(outer["payload"].numpy()).hexdigest() == outer["sha256"]
@@ -345,7 +346,7 @@ def load_checkpoint(path, run_id):
                             f"recipe") from None
     if not intact:
         raise TrainingError(f"checkpoint {path} is corrupt (its checksum does not match); delete it to restart")
-    if state["run_id"] != run_id:
+    if run_id is not None and state["run_id"] != run_id:
         raise TrainingError(f"checkpoint {path} belongs to another run; delete it, or use another --out")
     return state
 

@@ -1,5 +1,7 @@
 """Shared test helpers. Without a GPU, Triton's kernels run in its CPU interpreter (set before triton.jit runs)."""
 
+import gzip
+import json
 import os
 import socket
 
@@ -18,6 +20,18 @@ def grid_neighbours(values, grid):
     lower = grid[torch.searchsorted(grid, magnitude, right=True) - 1]
     upper = grid[torch.searchsorted(grid, magnitude).clamp(max=len(grid) - 1)]
     return lower.view_as(values), upper.view_as(values)
+
+
+@pytest.fixture(scope="session")
+def small_data(tmp_path_factory):
+    """A few bundled documents in the bundled layout (fast to tokenize)."""
+    import train  # after TRITON_INTERPRET is set above
+    folder = tmp_path_factory.mktemp("data")
+    for split, count in (("train", 60), ("val", 12)):
+        texts = train.local_texts(split)[:count]
+        with gzip.open(folder / f"fineweb_edu_{split}_000.jsonl.gz", "wt", encoding="utf-8") as f:
+            f.writelines(json.dumps(dict(text=text)) + "\n" for text in texts)
+    return str(folder)
 
 
 def free_port():

@@ -1,6 +1,5 @@
 """bench.py's comparison commands: gradient concentration (the paper's Figure 9) and the study of recipes x seeds."""
 
-import gzip
 import json
 
 import pytest
@@ -23,14 +22,9 @@ def test_grad_measures_the_concentration_of_every_layer_and_gradient(tmp_path):
 
 
 @pytest.mark.slow
-def test_study_trains_every_seed_and_tabulates_the_gaps(tmp_path):
-    data = tmp_path / "data"
-    data.mkdir()
-    for split, count in (("train", 40), ("val", 8)):
-        with gzip.open(data / f"fineweb_edu_{split}_000.jsonl.gz", "wt", encoding="utf-8") as f:
-            f.writelines(json.dumps(dict(text=text)) + "\n" for text in train.local_texts(split)[:count])
+def test_study_trains_every_seed_and_tabulates_the_gaps(small_data, tmp_path):
     flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "3",
-             "--eval-every", "3", "--eval-tokens", "512", "--data-dir", str(data)]
+             "--eval-every", "3", "--eval-tokens", "512", "--data-dir", small_data]
     argv = ["study", "--preset", "tiny", "--recipes", "bf16,quartet2,nvidia", "--seeds", "0", "1", "--out",
             str(tmp_path / "study"), "--", *flags]
     rows = bench.main(argv)
@@ -70,3 +64,16 @@ def test_an_unknown_recipe_is_a_one_line_error_naming_it(command, capsys):
     with pytest.raises(SystemExit):
         bench.main([command, "--recipes", "quartet2,quartet9"])
     assert "unknown recipe(s) ['quartet9']" in capsys.readouterr().err
+
+
+def test_grad_takes_the_weights_of_a_train_py_checkpoint(small_data, tmp_path):
+    flags = ["--depth", "2", "--seq-len", "128", "--device-batch", "2", "--batch-tokens", "256", "--steps", "2",
+             "--eval-tokens", "256", "--recipe", "bf16", "--data-dir", small_data, "--out", str(tmp_path / "run")]
+    assert train.main(["--preset", "tiny"] + flags) is None
+    checkpoint = str(tmp_path / "run" / "bf16" / "checkpoint.pt")
+    grad = ["grad", "--recipes", "quartet2", "--depth", "2", "--seq-len", "128", "--tokens", "256", "--batches", "2",
+            "--png", str(tmp_path / "c.png")]
+    trained, initialized = bench.main(grad + ["--checkpoint", checkpoint]), bench.main(grad)
+    assert [r["errors"] for r in trained] != [r["errors"] for r in initialized]  # other weights, other gradients
+    with pytest.raises(SystemExit, match="another model size than --depth 4"):
+        bench.main(grad[:4] + ["4"] + grad[5:] + ["--checkpoint", checkpoint])

@@ -20,17 +20,6 @@ from conftest import free_port
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-@pytest.fixture(scope="module")
-def small_data(tmp_path_factory):
-    """A few bundled documents in the bundled layout (fast to tokenize)."""
-    folder = tmp_path_factory.mktemp("data")
-    for split, count in (("train", 60), ("val", 12)):
-        texts = train.local_texts(split)[:count]
-        with gzip.open(folder / f"fineweb_edu_{split}_000.jsonl.gz", "wt", encoding="utf-8") as f:
-            f.writelines(json.dumps(dict(text=text)) + "\n" for text in texts)
-    return str(folder)
-
-
 def tiny_args(data_dir, out, *extra):
     return ["--preset", "tiny", "--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256",
             "--eval-every", "5", "--eval-tokens", "1024", "--data-dir", data_dir, "--out", str(out), *extra]
