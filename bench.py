@@ -25,7 +25,9 @@ import sys
 
 import torch
 
+import train
 from eden import inverse_rht, quantize_ms_eden, random_signs
+from model import GPT, RECIPES, Linear, RecipeLinear, make_optimizers, recipe_names
 from quantize import SR_FP4_MAX, quantize_nvfp4
 
 
@@ -180,7 +182,6 @@ def layer_step(layer, x, grad):
 
 
 def bench_linear(args):
-    from model import Linear
     device = _gpu()
     tokens = args.tokens
     print(f"{'layer':<13}{'in->out':>13}{'bf16 ms':>9}{'quartet2':>10}{'nvidia':>9}   peak extra memory GB "
@@ -215,8 +216,6 @@ def training_step(depth, recipe, args, device, accumulation):
     """One training step of a fresh model on random tokens, as train.py runs it: `accumulation` micro-batches of
     forward + backward, then the optimizer (Muon + AdamW). Returns the median ms of one forward + backward and of
     one optimizer step, and the peak memory (GB) of a whole step."""
-    import train
-    from model import GPT, make_optimizers
     torch.manual_seed(0)
     model = GPT(depth, recipe, max_seq_len=args.seq_len).to(device)
     flags = train.parse_args([])  # train.py's default learning rates
@@ -267,7 +266,6 @@ def profile(fn, name, steps=3):
 
 
 def bench_train(args):
-    import train
     device = _gpu()
     tokens = args.device_batch * args.seq_len
     mode = f"torch.compile (mode {args.compile_mode})" if args.compile else "eager"
@@ -305,15 +303,11 @@ def captured_layers(args, device):
     backward of a d{depth} GPT on the bundled validation text: nanochat's initialization, except that the output
     projections and lm_head start random instead of at zero (at zero, no gradient reaches q, k, v), or the weights
     of a train.py checkpoint."""
-    import train
-    from model import GPT
     if args.tokens < args.seq_len or args.tokens % args.seq_len:
         raise ValueError(f"--tokens must be a multiple of --seq-len {args.seq_len}, got {args.tokens}")
     torch.manual_seed(args.seed)
     gpt = GPT(args.depth, "bf16", max_seq_len=args.seq_len).to(device)
     if args.checkpoint:
-        if not os.path.isfile(args.checkpoint):
-            raise ValueError(f"--checkpoint {args.checkpoint} not found (a train.py OUT/RECIPE/checkpoint.pt)")
         try:
             gpt.load_state_dict(train.load_checkpoint(args.checkpoint)["model"])
         except RuntimeError:  # the tensors' shapes differ
@@ -342,7 +336,6 @@ def captured_layers(args, device):
 def bench_grad(args):
     """The relative error of the mean of B backward passes of a layer against the exact gradient of its quantized
     forward, for B = 1, 2, 4, ...: unbiased recipes fall like 1/B, a biased one levels off at its bias."""
-    from model import RECIPES, RecipeLinear
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     recipes = {name: RECIPES[name] for name in args.recipes}
     batches = [2**i for i in range(int(math.log2(args.batches)) + 1)]
@@ -413,8 +406,6 @@ def bench_study(args):
     """train.py for every seed (resuming what a previous invocation left), then the comparison: mean gap to BF16 +-
     its standard deviation over seeds, and how much smaller Quartet II's gap is than each baseline's (the recipes
     that quantize both passes; an ablation quantizes one)."""
-    import train
-    from model import RECIPES
     recipes, runs = args.recipes, {}
     for seed in args.seeds:
         out = os.path.join(args.out, f"seed{seed}")
@@ -427,7 +418,7 @@ def bench_study(args):
         runs[seed] = {r["recipe"]: r["val_bpb"] for r in json.load(open(os.path.join(out, "summary.json")))["rows"]}
         missing = [r for r in recipes if r not in runs[seed]]
         if missing:  # a finished run of other recipes: training more into it would need another run directory
-            sys.exit(f"bench.py: error: {out} holds a finished run without {','.join(missing)}; use another --out")
+            raise ValueError(f"{out} holds a finished run without {','.join(missing)}; use another --out")
     gaps = {r: [100 * (bpb[r] / bpb["bf16"] - 1) for bpb in runs.values()] for r in recipes if r != "bf16"}
     mean = {r: sum(g) / len(g) for r, g in gaps.items()}
     std = {r: (sum((x - mean[r]) ** 2 for x in g) / (len(g) - 1)) ** 0.5 for r, g in gaps.items() if len(g) > 1}
@@ -450,7 +441,6 @@ def bench_study(args):
 
 def recipe_list(text):
     """argparse type of --recipes: model.recipe_names, its error as argparse's."""
-    from model import recipe_names
     try:
         return recipe_names(text)
     except ValueError as error:
@@ -500,7 +490,6 @@ def main(argv=None):
     for command in (quant, kernel, linear, training, grad, study):
         command.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
-    import train
     if args.command == "train" and args.compile_mode is None:
         args.compile_mode = train.COMPILE_MODE
     run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train, grad=bench_grad,

@@ -337,6 +337,8 @@ def save_checkpoint(path, state):
 def load_checkpoint(path, run_id=None):
     """The checkpoint at path, checked: plain data (weights_only, so no code runs), intact, and of this run (of any
     run if run_id is None)."""
+    if not os.path.isfile(path):
+        raise TrainingError(f"checkpoint {path} not found")
     try:
         outer = torch.load(path, map_location="cpu", weights_only=True)
         intact = hashlib.sha256(outer["payload"].numpy()).hexdigest() == outer["sha256"]
