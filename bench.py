@@ -383,11 +383,8 @@ def exact_gradients(recipe, x, w, e):
 
 
 def plot_concentration(rows, path):
-    try:
-        import matplotlib
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = train.pyplot()
+    if plt is None:
         return print("(matplotlib is not installed: no plot)")
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, gradient in zip(axes, ("dX", "dW")):

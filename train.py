@@ -579,13 +579,21 @@ def summarize(rows, processes, args):
     plot(args.out)
 
 
-def plot(out):
-    """Loss and validation curves per recipe to OUT/loss.png, if matplotlib is installed."""
+def pyplot():
+    """matplotlib.pyplot drawing to files (no display), or None if matplotlib is not installed (it is optional)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
+        return None
+    return plt
+
+
+def plot(out):
+    """Loss and validation curves per recipe to OUT/loss.png, if matplotlib is installed."""
+    plt = pyplot()
+    if plt is None:
         return
     records = read_metrics(out)
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
