@@ -415,6 +415,22 @@ def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, wid
 
 
 @triton.jit
+def _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0):
+    """The [128, 128] tile at (row0, col0) of phase one's input: x (saturated), or code * group_scale of the NVFP4
+    input (exact in BF16; its tensor scale is applied to the corrected scales instead)."""
+    if x_ptr is not None:
+        values = _saturate(_load_tile(x_ptr, stride_r, stride_c, row0, col0, _TILE, _TILE, False))
+    else:
+        rows = row0 + tl.arange(0, _TILE)
+        packed = tl.load(in_codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, _TILE // 2))[None, :])
+        group_scale = _e4m3_value(tl.load(in_scales_ptr + rows[:, None] * (C // 16)
+                                          + (col0 // 16 + tl.arange(0, 8))[None, :]))
+        values = tl.reshape(tl.reshape(_e2m1_value(_unpack(packed, _TILE, _TILE)), (_TILE, 8, 16))
+                            * group_scale[:, :, None], (_TILE, _TILE))
+    return values
+
+
+@triton.jit
 def _eden_kernel(
         x_ptr, stride_r, stride_c,  # input: x [R, C] (or None, when the input is the NVFP4 tensor below)
         in_codes_ptr, in_scales_ptr, in_tensor_scale_ptr,  # input: a 1x16 NVFP4 tensor [R, C] (or None)
@@ -422,13 +438,17 @@ def _eden_kernel(
         row_codes_ptr, row_corrected_ptr, row_amax_ptr,  # output [R, C], rotated along C (None: not computed)
         col_codes_ptr, col_corrected_ptr, col_amax_ptr,  # output [C, R], the transpose rotated along R
         R, C, TILES_PER_PROGRAM: tl.constexpr, DOT_FP32: tl.constexpr):
-    """MS-EDEN phase one (post hoc range alignment, eden.py) over 128x128 tiles, each read once: packed codes, FP32
-    corrected scales and (atomically) their maximum, for the tile rotated along its rows and/or for its transpose.
+    """MS-EDEN phase one (post hoc range alignment, eden.py) over 128x128 tiles: packed codes, FP32 corrected
+    scales and (atomically) their maximum, for the tile rotated along its rows and/or for its transpose.
     From an NVFP4 input this is the backward's re-quantization of the saved X and W: dequantize, transpose, rotate
     and quantize in one pass (code * group scale is exact in BF16, and the tensor scale, which does not change the
     codes, multiplies the corrected scales). Reads 2 B/element (0.5625 from NVFP4), writes 0.75 per output.
-    Persistent: each program builds the rotation once and takes every num_programs-th tile."""
+    Persistent: each program builds the rotation once and takes every num_programs-th tile. Each output reads the
+    tile itself (the second read hits the L2 cache): measured faster than keeping the tile live across the first
+    output's work (NOTES.md)."""
     rotation = _rotation_matrix(signs_ptr, _TILE)
+    if not DOT_FP32:  # converted once: half the registers it holds across the loop
+        rotation = rotation.to(tl.bfloat16)
     tensor_scale = 1.0 if x_ptr is not None else tl.load(in_tensor_scale_ptr)
     row_largest = tl.zeros((_TILE,), dtype=tl.int32)  # bits of the largest corrected scale of each tile row
     col_largest = tl.zeros((_TILE,), dtype=tl.int32)
@@ -438,23 +458,15 @@ def _eden_kernel(
         if tile < (R // _TILE) * tile_cols:
             row0 = (tile // tile_cols) * _TILE
             col0 = (tile % tile_cols) * _TILE
-            if x_ptr is not None:
-                values = _saturate(_load_tile(x_ptr, stride_r, stride_c, row0, col0, _TILE, _TILE, False))
-            else:
-                rows = row0 + tl.arange(0, _TILE)
-                half = col0 // 2 + tl.arange(0, _TILE // 2)
-                packed = tl.load(in_codes_ptr + rows[:, None] * (C // 2) + half[None, :])
-                group_scale = _e4m3_value(tl.load(in_scales_ptr + rows[:, None] * (C // 16)
-                                                  + (col0 // 16 + tl.arange(0, 8))[None, :]))
-                values = tl.reshape(tl.reshape(_e2m1_value(_unpack(packed, _TILE, _TILE)), (_TILE, 8, 16))
-                                    * group_scale[:, :, None], (_TILE, _TILE))
-            if row_codes_ptr is not None:
-                rotated = _rotate(values, rotation, _TILE, DOT_FP32)
-                row_largest = tl.maximum(row_largest, _eden_store(rotated, tensor_scale, row_codes_ptr,
-                                                                  row_corrected_ptr, row0, col0, C))
-            rotated = _rotate(tl.trans(values), rotation, _TILE, DOT_FP32)
-            col_largest = tl.maximum(col_largest, _eden_store(rotated, tensor_scale, col_codes_ptr, col_corrected_ptr,
-                                                              col0, row0, R))
+            if row_codes_ptr is not None:  # the tile rotated along C
+                values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0)
+                row_largest = tl.maximum(row_largest, _eden_store(_rotate(values, rotation, _TILE, DOT_FP32),
+                                                                  tensor_scale, row_codes_ptr, row_corrected_ptr,
+                                                                  row0, col0, C))
+            values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0)
+            col_largest = tl.maximum(col_largest, _eden_store(_rotate(tl.trans(values), rotation, _TILE, DOT_FP32),
+                                                              tensor_scale, col_codes_ptr, col_corrected_ptr,
+                                                              col0, row0, R))  # its transpose rotated along R
     if row_codes_ptr is not None:
         tl.atomic_max(row_amax_ptr, tl.max(row_largest, axis=0))
     tl.atomic_max(col_amax_ptr, tl.max(col_largest, axis=0))
