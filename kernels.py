@@ -111,11 +111,13 @@ def _e2m1_round(x, noise, STOCHASTIC: tl.constexpr):
 @triton.jit
 def _e4m3_round(x):
     """x >= 0 rounded to the nearest E4M3 value (3 mantissa bits, smallest exponent -6), saturating at 448."""
-    return _round_to_grid(x, x, 3, -6, 448.0, False)
+    return _round_to_grid(x, x, 3, -6, 448.0, False)  # the second x fills the unused noise argument
 
 
 @triton.jit
 def _e4m3_stochastic_round(x, noise):
+    """x >= 0 rounded up to the next E4M3 value with probability equal to its distance from the lower one
+    (in grid steps), else down: unbiased up to the saturation at 448."""
     return _round_to_grid(x, noise, 3, -6, 448.0, True)
 
 
