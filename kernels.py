@@ -49,7 +49,8 @@ from quantize import (E2M1_MAX, GROUP, MIN_NORMAL, MIN_TENSOR_SCALE, NVFP4Tensor
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = HADAMARD  # columns per program: one Hadamard chunk, 8 groups of 16
 QUANTIZE_ROWS, QUANTIZE_WARPS = 32, 8  # rows per program of the RTN/SR quantizer; measured best (NOTES.md)
-EDEN_WARPS = 16  # warps per 128x128 MS-EDEN tile: fewer registers per thread than 8, no spills (NOTES.md)
+EDEN_SUB, EDEN_WARPS, EDEN_REGISTERS = 64, 8, 128  # rows per MS-EDEN phase-one job, warps per program, registers
+EDEN_PROGRAMS_PER_SM = 2
 FINISH_GROUPS = 256  # 16-groups per program of MS-EDEN's second phase
 AMAX_BLOCK = 4096  # elements per program of the absolute-maximum pass
 DEQUANTIZE_ROWS = 16
@@ -70,8 +71,8 @@ _E4M3_MIN_NORMAL = tl.constexpr(2.0**-6)
 _E4M3_SUBNORMAL_STEP = tl.constexpr(2.0**-9)
 _E4M3_NAN = tl.constexpr(0x7F)
 _E2M1_CODE_OF_ONE = tl.constexpr(2)  # codes 2..7 are 1, 1.5, 2, 3, 4, 6: two per binade
-_TWO_TO_22 = tl.constexpr(2.0**22)
-_TWO_TO_22_BITS = tl.constexpr((_FP32_BIAS + 22) << 23)
+_ONE_BITS = tl.constexpr(_FP32_BIAS << 23)  # 1.0
+_EXPONENT_BITS = tl.constexpr(0xFF << 23)
 
 # -----------------------------------------------------------------------------
 # Device helpers: small floats by bit arithmetic
@@ -124,20 +125,17 @@ def _e4m3_stochastic_round(x, noise):
 @triton.jit
 def _e2m1_nearest(magnitude):
     """For magnitude >= 0: (its E2M1 rounding, to nearest with ties to even and saturating at 6, and that value's
-    3-bit code), by integer arithmetic on the float's bits (exact for every float32, tests/test_kernels.py).
-    From 1 up, adding 2^21 - 1 plus the lowest kept bit to the bits and cutting all but 1 mantissa bit rounds to
-    nearest-even, a carry moving into the exponent; then bits >> 22 is 254 for 1.0, 255 for 1.5, 256 for 2.0 ...
-    Below 1 the grid step is 0.5, the unit in the last place of 2^22: adding 2^22 rounds there, and the bits
-    above 2^22's count halves."""
+    3-bit code), exact for every float32 (tests/test_kernels.py). E2M1 has one mantissa bit: in the binade
+    [2^e, 2^(e+1)) (e >= 0; below 1 the step stays 0.5) the grid step is 2^(e-1), the unit in the last place of
+    magic = 2^(e+22). So magnitude + magic rounds to the grid (the FPU's nearest-even), subtracting magic again is
+    exact, and the sum's low mantissa bits count the steps k = rounded / 2^(e-1) (2, 3 or 4 in a binade, 0 to 2
+    below 1): the code is k + 2e (1.0 -> 2, 1.5 -> 3, 2 -> 4, 3 -> 5, 4 -> 6, 6 -> 7)."""
     magnitude = tl.minimum(magnitude, 6.0)
-    bits = magnitude.to(tl.int32, bitcast=True)
-    normal = (bits + ((1 << 21) - 1) + ((bits >> 22) & 1)) & ~((1 << 22) - 1)
-    shifted = magnitude + _TWO_TO_22
-    is_normal = magnitude >= 1.0
-    rounded = tl.where(is_normal, normal.to(tl.float32, bitcast=True), shifted - _TWO_TO_22)
-    code = tl.where(is_normal, (normal >> 22) - ((_FP32_BIAS << 1) - _E2M1_CODE_OF_ONE),
-                    shifted.to(tl.int32, bitcast=True) - _TWO_TO_22_BITS)
-    return rounded, code
+    binade = tl.maximum(magnitude.to(tl.int32, bitcast=True), _ONE_BITS) & _EXPONENT_BITS  # 2^max(e, 0)
+    magic = (binade + (22 << 23)).to(tl.float32, bitcast=True)
+    total = magnitude + magic
+    code = (total.to(tl.int32, bitcast=True) & 7) + (binade >> 22) - (_FP32_BIAS << 1)
+    return total - magic, code
 
 
 @triton.jit
@@ -393,12 +391,12 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, width):
-    """MS-EDEN phase one of a rotated [128, 128] tile (as eden.eden_groups) at (row0, col0) of an output [*, width]:
-    stores the packed codes and the corrected scales (times tensor_scale); returns each row's largest corrected
-    scale as int32 bits. Splitting the dot's result into 16-groups is free (a reshape of its register layout), so
-    the group reductions are in-thread sums and shuffles."""
-    groups = tl.reshape(rotated, (_TILE, 8, 16))
+def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, width, ROWS: tl.constexpr):
+    """MS-EDEN phase one of a rotated [ROWS, 128] tile (as eden.eden_groups) at (row0, col0) of an output [*, width]:
+    stores the packed codes and the corrected scales (times tensor_scale); returns the largest corrected scale as
+    int32 bits. Splitting the dot's result into 16-groups is free (a reshape of its register layout), so the group
+    reductions are in-thread sums and shuffles."""
+    groups = tl.reshape(rotated, (ROWS, 8, 16))
     largest = tl.max(tl.abs(groups), axis=2, keep_dims=True)
     scale = largest * _EDEN_INV_FP4_MAX
     flushed = scale < _MIN_NORMAL  # a group this small becomes zeros
@@ -407,29 +405,39 @@ def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, wid
     magnitude, code = _e2m1_nearest(tl.abs(scaled))
     norm = tl.sum(scaled * scaled, axis=2, keep_dims=True)
     overlap = tl.sum(tl.abs(scaled) * magnitude, axis=2, keep_dims=True)  # = <scaled, its rounding>: same signs
-    corrected = tl.reshape(scale * tl.where(overlap > 0, tl.math.div_rn(norm, overlap), 1.0), (_TILE, 8))
+    corrected = tl.reshape(scale * tl.where(overlap > 0, tl.math.div_rn(norm, overlap), 1.0), (ROWS, 8))
     corrected = corrected * tensor_scale
-    codes = tl.reshape(code | ((scaled.to(tl.int32, bitcast=True) >> 28) & 8), (_TILE, _TILE))
-    _store_codes(codes_ptr, _pack(codes, _TILE, _TILE), row0, col0, width, _TILE)
-    rows = row0 + tl.arange(0, _TILE)
+    codes = tl.reshape(code | ((scaled.to(tl.int32, bitcast=True) >> 28) & 8), (ROWS, _TILE))
+    _store_codes(codes_ptr, _pack(codes, ROWS, _TILE), row0, col0, width, ROWS)
+    rows = row0 + tl.arange(0, ROWS)
     tl.store(corrected_ptr + rows[:, None] * (width // 16) + (col0 // 16 + tl.arange(0, 8))[None, :], corrected)
-    return tl.max(_abs_bits(corrected), axis=1)
+    return tl.max(tl.max(_abs_bits(corrected), axis=1), axis=0)
 
 
 @triton.jit
-def _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0):
-    """The [128, 128] tile at (row0, col0) of phase one's input: x (saturated), or code * group_scale of the NVFP4
+def _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0, ROWS: tl.constexpr,
+                COLS: tl.constexpr):
+    """The [ROWS, COLS] tile at (row0, col0) of phase one's input: x (saturated), or code * group_scale of the NVFP4
     input (exact in BF16; its tensor scale is applied to the corrected scales instead)."""
     if x_ptr is not None:
-        values = _saturate(_load_tile(x_ptr, stride_r, stride_c, row0, col0, _TILE, _TILE, False))
+        values = _saturate(_load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS, COLS, False))
     else:
-        rows = row0 + tl.arange(0, _TILE)
-        packed = tl.load(in_codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, _TILE // 2))[None, :])
+        rows = row0 + tl.arange(0, ROWS)
+        packed = tl.load(in_codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, COLS // 2))[None, :])
         group_scale = _e4m3_value(tl.load(in_scales_ptr + rows[:, None] * (C // 16)
-                                          + (col0 // 16 + tl.arange(0, 8))[None, :]))
-        values = tl.reshape(tl.reshape(_e2m1_value(_unpack(packed, _TILE, _TILE)), (_TILE, 8, 16))
-                            * group_scale[:, :, None], (_TILE, _TILE))
+                                          + (col0 // 16 + tl.arange(0, COLS // 16))[None, :]))
+        values = tl.reshape(tl.reshape(_e2m1_value(_unpack(packed, ROWS, COLS)), (ROWS, COLS // 16, 16))
+                            * group_scale[:, :, None], (ROWS, COLS))
     return values
+
+
+@triton.jit
+def _eden_column_job(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale, codes_ptr,
+                     corrected_ptr, R, C, row0, col0, SUB: tl.constexpr, DOT_FP32: tl.constexpr):
+    """Columns col0 ... col0 + SUB - 1 of the 128-row tile at row0: their transpose [SUB, 128] rotated along R."""
+    values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0, _TILE, SUB)
+    return _eden_store(_rotate(tl.trans(values), rotation, _TILE, DOT_FP32), tensor_scale, codes_ptr, corrected_ptr,
+                       col0, row0, R, SUB)
 
 
 @triton.jit
@@ -439,39 +447,51 @@ def _eden_kernel(
         signs_ptr,  # float32 [128]: the rotation's signs
         row_codes_ptr, row_corrected_ptr, row_amax_ptr,  # output [R, C], rotated along C (None: not computed)
         col_codes_ptr, col_corrected_ptr, col_amax_ptr,  # output [C, R], the transpose rotated along R
-        R, C, TILES_PER_PROGRAM: tl.constexpr, DOT_FP32: tl.constexpr):
-    """MS-EDEN phase one (post hoc range alignment, eden.py) over 128x128 tiles: packed codes, FP32 corrected
-    scales and (atomically) their maximum, for the tile rotated along its rows and/or for its transpose.
+        R, C, JOBS_PER_PROGRAM: tl.constexpr, SUB: tl.constexpr, DOT_FP32: tl.constexpr):
+    """MS-EDEN phase one (post hoc range alignment, eden.py): packed codes, FP32 corrected scales and
+    (atomically) their maximum, for x rotated along its rows and/or for its transpose.
     From an NVFP4 input this is the backward's re-quantization of the saved X and W: dequantize, transpose, rotate
     and quantize in one pass (code * group scale is exact in BF16, and the tensor scale, which does not change the
     codes, multiplies the corrected scales). Reads 2 B/element (0.5625 from NVFP4), writes 0.75 per output.
-    Persistent: each program builds the rotation once and takes every num_programs-th tile. Each output reads the
-    tile itself (the second read hits the L2 cache): measured faster than keeping the tile live across the first
-    output's work (NOTES.md)."""
+    Work comes in jobs: each 128x128 tile of x gives 128/SUB row jobs ([SUB, 128] rotated along C) and 128/SUB
+    column jobs ([128, SUB] transposed and rotated along R). The jobs of one tile are neighbours in the job order,
+    so they run at the same time on different programs and the tile is read from memory once (then from the L2
+    cache). Persistent: each program builds the rotation once and takes every num_programs-th job."""
     rotation = _rotation_matrix(signs_ptr, _TILE)
     if not DOT_FP32:  # converted once: half the registers it holds across the loop
         rotation = rotation.to(tl.bfloat16)
     tensor_scale = 1.0 if x_ptr is not None else tl.load(in_tensor_scale_ptr)
-    row_largest = tl.zeros((_TILE,), dtype=tl.int32)  # bits of the largest corrected scale of each tile row
-    col_largest = tl.zeros((_TILE,), dtype=tl.int32)
+    row_largest = tl.zeros((), dtype=tl.int32)  # bits of the largest corrected scale
+    col_largest = tl.zeros((), dtype=tl.int32)
+    halves: tl.constexpr = _TILE // SUB
+    jobs_per_tile: tl.constexpr = halves if row_codes_ptr is None else 2 * halves
     tile_cols = C // _TILE
-    for i in range(TILES_PER_PROGRAM):  # a constant trip count (Triton's CPU interpreter needs one)
-        tile = tl.program_id(0) + i * tl.num_programs(0)
-        if tile < (R // _TILE) * tile_cols:
+    for i in range(JOBS_PER_PROGRAM):  # a constant trip count (Triton's CPU interpreter needs one)
+        job = tl.program_id(0) + i * tl.num_programs(0)
+        if job < (R // _TILE) * tile_cols * jobs_per_tile:
+            tile = job // jobs_per_tile
+            part = job % jobs_per_tile
             row0 = (tile // tile_cols) * _TILE
             col0 = (tile % tile_cols) * _TILE
-            if row_codes_ptr is not None:  # the tile rotated along C
-                values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0)
-                row_largest = tl.maximum(row_largest, _eden_store(_rotate(values, rotation, _TILE, DOT_FP32),
-                                                                  tensor_scale, row_codes_ptr, row_corrected_ptr,
-                                                                  row0, col0, C))
-            values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0)
-            col_largest = tl.maximum(col_largest, _eden_store(_rotate(tl.trans(values), rotation, _TILE, DOT_FP32),
-                                                              tensor_scale, col_codes_ptr, col_corrected_ptr,
-                                                              col0, row0, R))  # its transpose rotated along R
+            sub0 = (part % halves) * SUB
+            if row_codes_ptr is not None:
+                if part < halves:  # rows sub0 ... of the tile rotated along C
+                    values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0 + sub0,
+                                         col0, SUB, _TILE)
+                    row_largest = tl.maximum(row_largest, _eden_store(
+                        _rotate(values, rotation, _TILE, DOT_FP32), tensor_scale, row_codes_ptr, row_corrected_ptr,
+                        row0 + sub0, col0, C, SUB))
+                else:
+                    col_largest = tl.maximum(col_largest, _eden_column_job(
+                        x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale,
+                        col_codes_ptr, col_corrected_ptr, R, C, row0, col0 + sub0, SUB, DOT_FP32))
+            else:
+                col_largest = tl.maximum(col_largest, _eden_column_job(
+                    x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale, col_codes_ptr,
+                    col_corrected_ptr, R, C, row0, col0 + sub0, SUB, DOT_FP32))
     if row_codes_ptr is not None:
-        tl.atomic_max(row_amax_ptr, tl.max(row_largest, axis=0))
-    tl.atomic_max(col_amax_ptr, tl.max(col_largest, axis=0))
+        tl.atomic_max(row_amax_ptr, row_largest)
+    tl.atomic_max(col_amax_ptr, col_largest)
 
 
 @triton.jit
@@ -572,13 +592,13 @@ def check_rotation(signs, sizes, what):
 ROTATIONS = (16, 32, 128)  # rotation widths of the quantizer: NVIDIA's 16, TetraJet-v2's 32, MS-EDEN's 128
 
 
-def _persistent_grid(rows, cols, device):
-    """(programs, tiles per program) of the persistent MS-EDEN kernel over [rows, cols]: one program per
-    multiprocessor (at most one per 128x128 tile; one per tile in the interpreter)."""
-    tiles = rows * cols // TILE**2
-    programs = tiles if device.type != "cuda" else min(tiles,
-                                                        torch.cuda.get_device_properties(device).multi_processor_count)
-    return programs, triton.cdiv(tiles, programs)
+def _persistent_grid(rows, cols, jobs_per_tile, device):
+    """(programs, jobs per program) of the persistent MS-EDEN kernel over [rows, cols]: EDEN_PROGRAMS_PER_SM
+    programs per multiprocessor (one per job in the interpreter)."""
+    jobs = rows * cols // TILE**2 * jobs_per_tile
+    programs = jobs if device.type != "cuda" else min(
+        jobs, EDEN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
+    return programs, triton.cdiv(jobs, programs)
 
 
 def _dot_fp32(x):
@@ -659,10 +679,11 @@ def eden_phase1(x, signs):
     check_rotation(signs, (HADAMARD,), "MS-EDEN")
     rows, cols = x.shape
     row_out, col_out = _phase1_outputs(rows, cols, x.device), _phase1_outputs(cols, rows, x.device)
-    programs, per_program = _persistent_grid(rows, cols, x.device)
+    programs, per_program = _persistent_grid(rows, cols, 2 * TILE // EDEN_SUB, x.device)
     _eden_kernel[(programs,)](
         x, *x.stride(), None, None, None, signs.to(device=x.device, dtype=torch.float32), *row_out, *col_out,
-        rows, cols, TILES_PER_PROGRAM=per_program, DOT_FP32=_dot_fp32(x), num_warps=EDEN_WARPS)
+        rows, cols, JOBS_PER_PROGRAM=per_program, SUB=EDEN_SUB, DOT_FP32=_dot_fp32(x), num_warps=EDEN_WARPS,
+        maxnreg=EDEN_REGISTERS)
     return row_out, col_out
 
 
@@ -681,11 +702,12 @@ def eden_phase1_requantize(q, signs):
     check_rotation(signs, (HADAMARD,), "requantize_ms_eden")
     rows, cols = q.shape
     out = _phase1_outputs(cols, rows, q.codes.device)
-    programs, per_program = _persistent_grid(rows, cols, q.codes.device)
+    programs, per_program = _persistent_grid(rows, cols, TILE // EDEN_SUB, q.codes.device)
     _eden_kernel[(programs,)](
         None, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale,
         signs.to(device=q.codes.device, dtype=torch.float32), None, None, None, *out,
-        rows, cols, TILES_PER_PROGRAM=per_program, DOT_FP32=INTERPRETED, num_warps=EDEN_WARPS)
+        rows, cols, JOBS_PER_PROGRAM=per_program, SUB=EDEN_SUB, DOT_FP32=INTERPRETED, num_warps=EDEN_WARPS,
+        maxnreg=EDEN_REGISTERS)
     return out
 
 
