@@ -393,8 +393,7 @@ def _quantize_kernel(
 @triton.jit
 def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, width, ROWS: tl.constexpr):
     """MS-EDEN phase one of a rotated [ROWS, 128] tile (as eden.eden_groups) at (row0, col0) of an output [*, width]:
-    stores the packed codes and the corrected scales (times tensor_scale); returns the largest corrected scale as
-    int32 bits. Splitting the dot's result into 16-groups is free (a reshape of its register layout), so the group
+    stores the packed codes and the corrected scales (times tensor_scale), and returns the latter as int32 bits. Splitting the dot's result into 16-groups is free (a reshape of its register layout), so the group
     reductions are in-thread sums and shuffles."""
     groups = tl.reshape(rotated, (ROWS, 8, 16))
     largest = tl.max(tl.abs(groups), axis=2, keep_dims=True)
@@ -411,7 +410,7 @@ def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, wid
     _store_codes(codes_ptr, _pack(codes, ROWS, _TILE), row0, col0, width, ROWS)
     rows = row0 + tl.arange(0, ROWS)
     tl.store(corrected_ptr + rows[:, None] * (width // 16) + (col0 // 16 + tl.arange(0, 8))[None, :], corrected)
-    return tl.max(tl.max(_abs_bits(corrected), axis=1), axis=0)
+    return _abs_bits(corrected)
 
 
 @triton.jit
@@ -461,8 +460,9 @@ def _eden_kernel(
     if not DOT_FP32:  # converted once: half the registers it holds across the loop
         rotation = rotation.to(tl.bfloat16)
     tensor_scale = 1.0 if x_ptr is not None else tl.load(in_tensor_scale_ptr)
-    row_largest = tl.zeros((), dtype=tl.int32)  # bits of the largest corrected scale
-    col_largest = tl.zeros((), dtype=tl.int32)
+    # Bits of the largest corrected scale at each group position of a job: reduced across threads once, at the end.
+    row_largest = tl.zeros((SUB, 8), dtype=tl.int32)
+    col_largest = tl.zeros((SUB, 8), dtype=tl.int32)
     halves: tl.constexpr = _TILE // SUB
     jobs_per_tile: tl.constexpr = halves if row_codes_ptr is None else 2 * halves
     tile_cols = C // _TILE
@@ -490,8 +490,8 @@ def _eden_kernel(
                     x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale, col_codes_ptr,
                     col_corrected_ptr, R, C, row0, col0 + sub0, SUB, DOT_FP32))
     if row_codes_ptr is not None:
-        tl.atomic_max(row_amax_ptr, row_largest)
-    tl.atomic_max(col_amax_ptr, col_largest)
+        tl.atomic_max(row_amax_ptr, tl.max(tl.max(row_largest, axis=1), axis=0))
+    tl.atomic_max(col_amax_ptr, tl.max(tl.max(col_largest, axis=1), axis=0))
 
 
 @triton.jit
