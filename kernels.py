@@ -49,8 +49,10 @@ from quantize import (E2M1_MAX, GROUP, MIN_NORMAL, MIN_TENSOR_SCALE, NVFP4Tensor
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = HADAMARD  # columns per program: one Hadamard chunk, 8 groups of 16
 QUANTIZE_ROWS, QUANTIZE_WARPS = 32, 8  # rows per program of the RTN/SR quantizer; measured best (NOTES.md)
-EDEN_SUB, EDEN_WARPS, EDEN_REGISTERS = 64, 8, 128  # rows per MS-EDEN phase-one job, warps per program, registers
-EDEN_PROGRAMS_PER_SM = 2
+# MS-EDEN phase one: jobs of 64 rows; 8 warps held to 128 registers a thread, so two programs share a multiprocessor;
+# the input of the next jobs loaded while one is processed (for a BF16 input: the NVFP4 one measured faster without).
+# Each measured fastest on the H200 (NOTES.md).
+EDEN_SUB, EDEN_WARPS, EDEN_REGISTERS, EDEN_PROGRAMS_PER_SM, EDEN_STAGES = 64, 8, 128, 2, 3
 FINISH_GROUPS = 256  # 16-groups per program of MS-EDEN's second phase
 AMAX_BLOCK = 4096  # elements per program of the absolute-maximum pass
 DEQUANTIZE_ROWS = 16
@@ -393,8 +395,9 @@ def _quantize_kernel(
 @triton.jit
 def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, width, ROWS: tl.constexpr):
     """MS-EDEN phase one of a rotated [ROWS, 128] tile (as eden.eden_groups) at (row0, col0) of an output [*, width]:
-    stores the packed codes and the corrected scales (times tensor_scale), and returns the latter as int32 bits. Splitting the dot's result into 16-groups is free (a reshape of its register layout), so the group
-    reductions are in-thread sums and shuffles."""
+    stores the packed codes and the corrected scales (times tensor_scale), and returns the latter as int32 bits.
+    Splitting the dot's result into 16-groups is free (a reshape of its register layout), so the group reductions
+    are in-thread sums and shuffles."""
     groups = tl.reshape(rotated, (ROWS, 8, 16))
     largest = tl.max(tl.abs(groups), axis=2, keep_dims=True)
     scale = largest * _EDEN_INV_FP4_MAX
@@ -431,12 +434,32 @@ def _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0,
 
 
 @triton.jit
-def _eden_column_job(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale, codes_ptr,
-                     corrected_ptr, R, C, row0, col0, SUB: tl.constexpr, DOT_FP32: tl.constexpr):
-    """Columns col0 ... col0 + SUB - 1 of the 128-row tile at row0: their transpose [SUB, 128] rotated along R."""
-    values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0, _TILE, SUB)
-    return _eden_store(_rotate(tl.trans(values), rotation, _TILE, DOT_FP32), tensor_scale, codes_ptr, corrected_ptr,
-                       col0, row0, R, SUB)
+def _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale, codes_ptr,
+               corrected_ptr, R, C, first, step, sub0, TRANSPOSED: tl.constexpr, TILES: tl.constexpr,
+               SUB: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr):
+    """One program's jobs: the same part of tiles first, first + step, ...: rows sub0 ... sub0 + SUB - 1 rotated
+    along C, or (TRANSPOSED) columns sub0 ... sub0 + SUB - 1, whose transpose [SUB, 128] is rotated along R. With
+    STAGES > 1 the loads of the next tiles are issued while this one is processed. Returns the largest corrected
+    scale as int32 bits."""
+    largest = tl.zeros((SUB, 8), dtype=tl.int32)  # reduced across threads once, at the end
+    tile_cols = C // _TILE
+    last = (R // _TILE) * tile_cols - 1
+    for i in tl.range(TILES, num_stages=STAGES):
+        tile = tl.minimum(first + i * step, last)  # past the end: the last tile again (the same values)
+        row0 = (tile // tile_cols) * _TILE
+        col0 = (tile % tile_cols) * _TILE
+        if TRANSPOSED:
+            values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0 + sub0, _TILE,
+                                 SUB)
+            corrected = _eden_store(_rotate(tl.trans(values), rotation, _TILE, DOT_FP32), tensor_scale, codes_ptr,
+                                    corrected_ptr, col0 + sub0, row0, R, SUB)
+        else:
+            values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0 + sub0, col0, SUB,
+                                 _TILE)
+            corrected = _eden_store(_rotate(values, rotation, _TILE, DOT_FP32), tensor_scale, codes_ptr,
+                                    corrected_ptr, row0 + sub0, col0, C, SUB)
+        largest = tl.maximum(largest, corrected)
+    return tl.max(tl.max(largest, axis=1), axis=0)
 
 
 @triton.jit
@@ -446,52 +469,39 @@ def _eden_kernel(
         signs_ptr,  # float32 [128]: the rotation's signs
         row_codes_ptr, row_corrected_ptr, row_amax_ptr,  # output [R, C], rotated along C (None: not computed)
         col_codes_ptr, col_corrected_ptr, col_amax_ptr,  # output [C, R], the transpose rotated along R
-        R, C, JOBS_PER_PROGRAM: tl.constexpr, SUB: tl.constexpr, DOT_FP32: tl.constexpr):
+        R, C, TILES_PER_PROGRAM: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr):
     """MS-EDEN phase one (post hoc range alignment, eden.py): packed codes, FP32 corrected scales and
     (atomically) their maximum, for x rotated along its rows and/or for its transpose.
     From an NVFP4 input this is the backward's re-quantization of the saved X and W: dequantize, transpose, rotate
     and quantize in one pass (code * group scale is exact in BF16, and the tensor scale, which does not change the
     codes, multiplies the corrected scales). Reads 2 B/element (0.5625 from NVFP4), writes 0.75 per output.
     Work comes in jobs: each 128x128 tile of x gives 128/SUB row jobs ([SUB, 128] rotated along C) and 128/SUB
-    column jobs ([128, SUB] transposed and rotated along R). The jobs of one tile are neighbours in the job order,
-    so they run at the same time on different programs and the tile is read from memory once (then from the L2
-    cache). Persistent: each program builds the rotation once and takes every num_programs-th job."""
+    column jobs ([128, SUB], transposed and rotated along R). Program p does job p % jobs_per_tile of every
+    (num_programs / jobs_per_tile)-th tile, so the jobs of one tile run at the same time on neighbouring programs
+    and the tile is read from memory once (then from the L2 cache). Each program builds the rotation once."""
     rotation = _rotation_matrix(signs_ptr, _TILE)
     if not DOT_FP32:  # converted once: half the registers it holds across the loop
         rotation = rotation.to(tl.bfloat16)
     tensor_scale = 1.0 if x_ptr is not None else tl.load(in_tensor_scale_ptr)
-    # Bits of the largest corrected scale at each group position of a job: reduced across threads once, at the end.
-    row_largest = tl.zeros((SUB, 8), dtype=tl.int32)
-    col_largest = tl.zeros((SUB, 8), dtype=tl.int32)
     halves: tl.constexpr = _TILE // SUB
     jobs_per_tile: tl.constexpr = halves if row_codes_ptr is None else 2 * halves
-    tile_cols = C // _TILE
-    for i in range(JOBS_PER_PROGRAM):  # a constant trip count (Triton's CPU interpreter needs one)
-        job = tl.program_id(0) + i * tl.num_programs(0)
-        if job < (R // _TILE) * tile_cols * jobs_per_tile:
-            tile = job // jobs_per_tile
-            part = job % jobs_per_tile
-            row0 = (tile // tile_cols) * _TILE
-            col0 = (tile % tile_cols) * _TILE
-            sub0 = (part % halves) * SUB
-            if row_codes_ptr is not None:
-                if part < halves:  # rows sub0 ... of the tile rotated along C
-                    values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0 + sub0,
-                                         col0, SUB, _TILE)
-                    row_largest = tl.maximum(row_largest, _eden_store(
-                        _rotate(values, rotation, _TILE, DOT_FP32), tensor_scale, row_codes_ptr, row_corrected_ptr,
-                        row0 + sub0, col0, C, SUB))
-                else:
-                    col_largest = tl.maximum(col_largest, _eden_column_job(
-                        x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale,
-                        col_codes_ptr, col_corrected_ptr, R, C, row0, col0 + sub0, SUB, DOT_FP32))
-            else:
-                col_largest = tl.maximum(col_largest, _eden_column_job(
-                    x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale, col_codes_ptr,
-                    col_corrected_ptr, R, C, row0, col0 + sub0, SUB, DOT_FP32))
+    part = tl.program_id(0) % jobs_per_tile  # this program's job in each of its tiles
+    first = tl.program_id(0) // jobs_per_tile
+    step = tl.num_programs(0) // jobs_per_tile
+    sub0 = (part % halves) * SUB
     if row_codes_ptr is not None:
-        tl.atomic_max(row_amax_ptr, tl.max(tl.max(row_largest, axis=1), axis=0))
-    tl.atomic_max(col_amax_ptr, tl.max(tl.max(col_largest, axis=1), axis=0))
+        if part < halves:
+            tl.atomic_max(row_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
+                                                   tensor_scale, row_codes_ptr, row_corrected_ptr, R, C, first, step,
+                                                   sub0, False, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32))
+        else:
+            tl.atomic_max(col_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
+                                                   tensor_scale, col_codes_ptr, col_corrected_ptr, R, C, first, step,
+                                                   sub0, True, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32))
+    else:
+        tl.atomic_max(col_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
+                                               tensor_scale, col_codes_ptr, col_corrected_ptr, R, C, first, step, sub0,
+                                               True, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32))
 
 
 @triton.jit
@@ -593,12 +603,12 @@ ROTATIONS = (16, 32, 128)  # rotation widths of the quantizer: NVIDIA's 16, Tetr
 
 
 def _persistent_grid(rows, cols, jobs_per_tile, device):
-    """(programs, jobs per program) of the persistent MS-EDEN kernel over [rows, cols]: EDEN_PROGRAMS_PER_SM
-    programs per multiprocessor (one per job in the interpreter)."""
-    jobs = rows * cols // TILE**2 * jobs_per_tile
-    programs = jobs if device.type != "cuda" else min(
-        jobs, EDEN_PROGRAMS_PER_SM * torch.cuda.get_device_properties(device).multi_processor_count)
-    return programs, triton.cdiv(jobs, programs)
+    """(programs, tiles per program) of MS-EDEN phase one: EDEN_PROGRAMS_PER_SM per multiprocessor (a multiple of
+    jobs_per_tile), each doing one job of every (programs / jobs_per_tile)-th tile. The interpreter pretends to have
+    5 multiprocessors, so that the tests run the loop over tiles and its end (the last tile done twice)."""
+    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 5
+    per_job = min(rows * cols // TILE**2, EDEN_PROGRAMS_PER_SM * multiprocessors // jobs_per_tile)
+    return per_job * jobs_per_tile, triton.cdiv(rows * cols // TILE**2, per_job)
 
 
 def _dot_fp32(x):
@@ -682,8 +692,8 @@ def eden_phase1(x, signs):
     programs, per_program = _persistent_grid(rows, cols, 2 * TILE // EDEN_SUB, x.device)
     _eden_kernel[(programs,)](
         x, *x.stride(), None, None, None, signs.to(device=x.device, dtype=torch.float32), *row_out, *col_out,
-        rows, cols, JOBS_PER_PROGRAM=per_program, SUB=EDEN_SUB, DOT_FP32=_dot_fp32(x), num_warps=EDEN_WARPS,
-        maxnreg=EDEN_REGISTERS)
+        rows, cols, TILES_PER_PROGRAM=per_program, SUB=EDEN_SUB, STAGES=EDEN_STAGES, DOT_FP32=_dot_fp32(x),
+        num_warps=EDEN_WARPS, maxnreg=EDEN_REGISTERS)
     return row_out, col_out
 
 
@@ -706,8 +716,8 @@ def eden_phase1_requantize(q, signs):
     _eden_kernel[(programs,)](
         None, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale,
         signs.to(device=q.codes.device, dtype=torch.float32), None, None, None, *out,
-        rows, cols, JOBS_PER_PROGRAM=per_program, SUB=EDEN_SUB, DOT_FP32=INTERPRETED, num_warps=EDEN_WARPS,
-        maxnreg=EDEN_REGISTERS)
+        rows, cols, TILES_PER_PROGRAM=per_program, SUB=EDEN_SUB, STAGES=1, DOT_FP32=INTERPRETED,
+        num_warps=EDEN_WARPS, maxnreg=EDEN_REGISTERS)
     return out
 
 
