@@ -484,14 +484,14 @@ def _eden_kernel(
     if not DOT_FP32:  # converted once: half the registers it holds across the loop
         rotation = rotation.to(tl.bfloat16)
     tensor_scale = 1.0 if x_ptr is not None else tl.load(in_tensor_scale_ptr)
-    halves: tl.constexpr = _TILE // SUB
-    jobs_per_tile: tl.constexpr = halves if row_codes_ptr is None else 2 * halves
+    slices: tl.constexpr = _TILE // SUB  # row jobs (and column jobs) per tile
+    jobs_per_tile: tl.constexpr = slices if row_codes_ptr is None else 2 * slices
     part = tl.program_id(0) % jobs_per_tile  # this program's job in each of its tiles
     first = tl.program_id(0) // jobs_per_tile
     step = tl.num_programs(0) // jobs_per_tile
-    sub0 = (part % halves) * SUB
+    sub0 = (part % slices) * SUB
     if row_codes_ptr is not None:
-        if part < halves:
+        if part < slices:
             tl.atomic_max(row_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
                                                    tensor_scale, row_codes_ptr, row_corrected_ptr, R, C, first, step,
                                                    sub0, False, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32))
@@ -608,7 +608,7 @@ def _persistent_grid(rows, cols, jobs_per_tile, device):
     jobs_per_tile), each doing one job of every (programs / jobs_per_tile)-th tile. The interpreter pretends to have
     5 multiprocessors, so that the tests run the loop over tiles and its end (the last tile done twice)."""
     multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 5
-    per_job = min(rows * cols // TILE**2, EDEN_PROGRAMS_PER_SM * multiprocessors // jobs_per_tile)
+    per_job = min(rows * cols // TILE**2, max(1, EDEN_PROGRAMS_PER_SM * multiprocessors // jobs_per_tile))
     return per_job * jobs_per_tile, triton.cdiv(rows * cols // TILE**2, per_job)
 
 
