@@ -148,14 +148,19 @@ def _with_sign_of(magnitude, x):
 
 
 @triton.jit
+def _code_sign(x):
+    """The sign bit of a 4-bit code (8) where x's sign bit is set: float32 bit 31 moved to bit 3."""
+    return (x.to(tl.int32, bitcast=True) >> 28) & 8
+
+
+@triton.jit
 def _e2m1_code(magnitude, x):
     """4-bit code of an E2M1 grid magnitude, with the sign bit of x (as quantize.encode_e2m1)."""
     bits = magnitude.to(tl.int32, bitcast=True)
     # From 1.0 up, bits >> 22 is (biased exponent, top mantissa bit): 1.0 -> 254, 1.5 -> 255, 2.0 -> 256, ...
     normal = (bits >> 22) - ((_FP32_BIAS << 1) - _E2M1_CODE_OF_ONE)
     code = tl.where(magnitude >= 1.0, normal, (magnitude * 2.0).to(tl.int32))  # 0 -> 0, 0.5 -> 1
-    sign = (x.to(tl.int32, bitcast=True) >> 28) & 8
-    return code | sign
+    return code | _code_sign(x)
 
 
 @triton.jit
@@ -415,7 +420,7 @@ def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, wid
     overlap = tl.sum(tl.abs(scaled) * magnitude, axis=2, keep_dims=True)  # = <scaled, its rounding>: same signs
     corrected = tl.reshape(scale * tl.where(overlap > 0, tl.math.div_rn(norm, overlap), 1.0), (ROWS, 8))
     corrected = corrected * tensor_scale
-    codes = tl.reshape(code | ((scaled.to(tl.int32, bitcast=True) >> 28) & 8), (ROWS, _TILE))
+    codes = tl.reshape(code | _code_sign(scaled), (ROWS, _TILE))
     tl.store(codes_ptr + _codes_at(row0, col0, width, ROWS, _TILE), _pack(codes, ROWS, _TILE))
     tl.store(corrected_ptr + _groups_at(row0, col0, width, ROWS, _TILE), corrected)
     return _abs_bits(corrected)
