@@ -910,33 +910,6 @@ def dequantize(q, dtype=torch.float32, tensor_scale=True):
                                             tensor_scale)
 
 
-def save_for_backward(ctx, *items):
-    """ctx.save_for_backward for tensors and NVFP4Tensors. torch.compile traces an autograd Function only if what
-    its backward needs is saved as plain tensors, and PyTorch then frees them after the backward."""
-    tensors, layout = [], []
-    for item in items:
-        if isinstance(item, NVFP4Tensor):
-            tensors.extend((item.codes, item.group_scale, item.tensor_scale, item.scaled_codes))
-            layout.append((item.shape, item.block))
-        else:
-            tensors.append(item)
-            layout.append(None)
-    ctx.save_for_backward(*tensors)
-    ctx.layout = layout
-
-
-def saved_tensors(ctx):
-    """What save_for_backward saved, NVFP4Tensors rebuilt."""
-    tensors, items = list(ctx.saved_tensors), []
-    for entry in ctx.layout:
-        if entry is None:
-            items.append(tensors.pop(0))
-        else:
-            codes, group_scale, tensor_scale, scaled = (tensors.pop(0) for _ in range(4))
-            items.append(NVFP4Tensor(codes, group_scale, tensor_scale, entry[0], entry[1], scaled))
-    return items
-
-
 # -----------------------------------------------------------------------------
 # The GEMM
 

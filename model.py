@@ -194,6 +194,33 @@ def values(q):
     return scaled * q.tensor_scale
 
 
+def save_for_backward(ctx, *items):
+    """ctx.save_for_backward for tensors and NVFP4Tensors. torch.compile traces an autograd Function only if what
+    its backward needs is saved as plain tensors, and PyTorch then frees them after the backward."""
+    tensors, layout = [], []
+    for item in items:
+        if isinstance(item, NVFP4Tensor):
+            tensors.extend((item.codes, item.group_scale, item.tensor_scale, item.scaled_codes))
+            layout.append((item.shape, item.block))
+        else:
+            tensors.append(item)
+            layout.append(None)
+    ctx.save_for_backward(*tensors)
+    ctx.layout = layout
+
+
+def saved_tensors(ctx):
+    """What save_for_backward saved, NVFP4Tensors rebuilt."""
+    tensors, items = list(ctx.saved_tensors), []
+    for entry in ctx.layout:
+        if entry is None:
+            items.append(tensors.pop(0))
+        else:
+            codes, group_scale, tensor_scale, scaled = (tensors.pop(0) for _ in range(4))
+            items.append(NVFP4Tensor(codes, group_scale, tensor_scale, entry[0], entry[1], scaled))
+    return items
+
+
 class RecipeLinear(torch.autograd.Function):
     """The three GEMMs of a linear layer, each operand quantized as the recipe says."""
 
@@ -202,14 +229,14 @@ class RecipeLinear(torch.autograd.Function):
         recipe = RECIPES[name]
         xq, wq = quantize(x, recipe.x, {}), quantize(w, recipe.w, {})  # along in
         ctx.recipe = recipe
-        ops.save_for_backward(ctx, saved(x if recipe.x_dw_bf16 else xq, recipe.x_dw), saved(wq, recipe.w_dx))
+        save_for_backward(ctx, saved(x if recipe.x_dw_bf16 else xq, recipe.x_dw), saved(wq, recipe.w_dx))
         return matmul(xq, wq, x.dtype)  # [T, out]
 
     @staticmethod
     @once_differentiable
     def backward(ctx, e):  # e [T, out]
         recipe = ctx.recipe
-        x, w = ops.saved_tensors(ctx)
+        x, w = saved_tensors(ctx)
         signs = {n: random_signs(n, device=e.device) for n in recipe.rotations()}  # fresh per call, shared
         e_dx, e_dw = quantize_gradient(e, recipe.e_dx, recipe.e_dw, signs)  # [T, out] along out, [out, T] along T
         dx = matmul(e_dx, requantize_transposed(w, recipe.w_dx, signs, e.dtype), e.dtype)  # [T, in]
