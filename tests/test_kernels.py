@@ -190,6 +190,19 @@ def test_requantize_phase1_matches_reference(shape):
     assert_phase1_matches(out, rht(cpu(q).dequantize().t(), signs))
 
 
+@pytest.mark.parametrize("sub", [32, 128])
+def test_eden_phase1_jobs_of_any_height(sub, monkeypatch):
+    # Phase one cuts each 128x128 tile into jobs of EDEN_SUB rows (and columns); every height gives the same result.
+    monkeypatch.setattr(kernels, "EDEN_SUB", sub)
+    x = varied(384, 256, seed=13)
+    signs = random_signs(generator=torch.Generator().manual_seed(13))
+    rows, cols = kernels.eden_phase1(x, signs.to(DEVICE))
+    assert_phase1_matches(rows, rht(x.cpu(), signs))
+    assert_phase1_matches(cols, rht(x.cpu().t(), signs))
+    q = kernels.triton_quantize(x)
+    assert_phase1_matches(kernels.eden_phase1_requantize(q, signs.to(DEVICE)), rht(cpu(q).dequantize().t(), signs))
+
+
 @pytest.mark.slow
 def test_eden_phase2_rounds_scales_stochastically_to_neighbours():
     x = varied(128, 256, seed=5)
