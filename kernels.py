@@ -497,7 +497,7 @@ def _eden_kernel(
     first = tl.program_id(0) // jobs_per_tile
     step = tl.num_programs(0) // jobs_per_tile
     sub0 = (part % slices) * SUB
-    if row_codes_ptr is not None:
+    if row_codes_ptr is not None:  # jobs 0 ... slices - 1 of a tile are row jobs, the others column jobs
         if part < slices:
             tl.atomic_max(row_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
                                                    tensor_scale, row_codes_ptr, row_corrected_ptr, R, C, first, step,
@@ -506,7 +506,7 @@ def _eden_kernel(
             tl.atomic_max(col_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
                                                    tensor_scale, col_codes_ptr, col_corrected_ptr, R, C, first, step,
                                                    sub0, True, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32))
-    else:
+    else:  # the re-quantization: column jobs only
         tl.atomic_max(col_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
                                                tensor_scale, col_codes_ptr, col_corrected_ptr, R, C, first, step, sub0,
                                                True, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32))
