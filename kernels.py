@@ -608,13 +608,18 @@ def check_rotation(signs, sizes, what):
 ROTATIONS = (16, 32, 128)  # rotation widths of the quantizer: NVIDIA's 16, TetraJet-v2's 32, MS-EDEN's 128
 
 
-def _persistent_grid(rows, cols, jobs_per_tile, device):
-    """(programs, tiles per program) of MS-EDEN phase one: EDEN_PROGRAMS_PER_SM per multiprocessor (a multiple of
-    jobs_per_tile), each doing one job of every (programs / jobs_per_tile)-th tile. The interpreter pretends to have
-    5 multiprocessors, so that the tests run the loop over tiles and its end (the last tile done twice)."""
-    multiprocessors = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 5
-    per_job = min(rows * cols // TILE**2, max(1, EDEN_PROGRAMS_PER_SM * multiprocessors // jobs_per_tile))
-    return per_job * jobs_per_tile, triton.cdiv(rows * cols // TILE**2, per_job)
+def _multiprocessors(device):
+    """The GPU's multiprocessors; the interpreter pretends to have 5, so that the tests run phase one's loop over
+    tiles and its end (the last tile done twice)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 5
+
+
+def _persistent_grid(rows, cols, jobs_per_tile, multiprocessors):
+    """(programs, tiles per program) of MS-EDEN phase one over [rows, cols]: EDEN_PROGRAMS_PER_SM per multiprocessor,
+    a multiple of jobs_per_tile, each doing one job of every (programs / jobs_per_tile)-th tile."""
+    tiles = rows * cols // TILE**2
+    per_job = min(tiles, max(1, EDEN_PROGRAMS_PER_SM * multiprocessors // jobs_per_tile))
+    return per_job * jobs_per_tile, triton.cdiv(tiles, per_job)
 
 
 def _dot_fp32(x):
@@ -695,7 +700,7 @@ def eden_phase1(x, signs):
     check_rotation(signs, (HADAMARD,), "MS-EDEN")
     rows, cols = x.shape
     row_out, col_out = _phase1_outputs(rows, cols, x.device), _phase1_outputs(cols, rows, x.device)
-    programs, per_program = _persistent_grid(rows, cols, 2 * TILE // EDEN_SUB, x.device)
+    programs, per_program = _persistent_grid(rows, cols, 2 * TILE // EDEN_SUB, _multiprocessors(x.device))
     _eden_kernel[(programs,)](
         x, *x.stride(), None, None, None, signs.to(device=x.device, dtype=torch.float32), *row_out, *col_out,
         rows, cols, TILES_PER_PROGRAM=per_program, SUB=EDEN_SUB, STAGES=EDEN_STAGES, DOT_FP32=_dot_fp32(x),
@@ -718,7 +723,7 @@ def eden_phase1_requantize(q, signs):
     check_rotation(signs, (HADAMARD,), "requantize_ms_eden")
     rows, cols = q.shape
     out = _phase1_outputs(cols, rows, q.codes.device)
-    programs, per_program = _persistent_grid(rows, cols, TILE // EDEN_SUB, q.codes.device)
+    programs, per_program = _persistent_grid(rows, cols, TILE // EDEN_SUB, _multiprocessors(q.codes.device))
     _eden_kernel[(programs,)](
         None, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale,
         signs.to(device=q.codes.device, dtype=torch.float32), None, None, None, *out,

@@ -190,6 +190,20 @@ def test_requantize_phase1_matches_reference(shape):
     assert_phase1_matches(out, rht(cpu(q).dequantize().t(), signs))
 
 
+@pytest.mark.parametrize("multiprocessors", [1, 5, 16, 78, 114, 132])
+def test_eden_phase1_grid_covers_every_job(multiprocessors):
+    # Program p does job p % J of tiles p // J, p // J + P / J, ... (clamped to the last tile), as _eden_jobs
+    # walks them: every (tile, job) must be done, for any tile count and GPU size.
+    for tiles in (1, 3, 7, 64, 263, 4096):
+        for jobs_per_tile in (2, 4, 8):
+            programs, per_program = kernels._persistent_grid(tiles * 128, 128, jobs_per_tile, multiprocessors)
+            assert programs % jobs_per_tile == 0
+            step = programs // jobs_per_tile
+            done = {(min(p // jobs_per_tile + i * step, tiles - 1), p % jobs_per_tile)
+                    for p in range(programs) for i in range(per_program)}
+            assert done == {(t, j) for t in range(tiles) for j in range(jobs_per_tile)}
+
+
 @pytest.mark.parametrize("sub", [32, 128])
 def test_eden_phase1_jobs_of_any_height(sub, monkeypatch):
     # Phase one cuts each 128x128 tile into jobs of EDEN_SUB rows (and columns); every height gives the same result.
