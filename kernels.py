@@ -237,19 +237,11 @@ def _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS: tl.constexpr, COLS: 
 
 
 @triton.jit
-def _codes_at(row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Offsets [ROWS, COLS/2] of the packed codes of the [ROWS, COLS] tile at (row0, col0) of a [*, width] tensor
-    (two codes per byte)."""
+def _store_codes(codes_ptr, packed, row0, col0, width, ROWS: tl.constexpr):
+    """Packed codes [ROWS, TILE/2] of the tile at (row0, col0) of an output [*, width]."""
     rows = row0 + tl.arange(0, ROWS)
-    return rows[:, None] * (width // 2) + (col0 // 2 + tl.arange(0, COLS // 2))[None, :]
-
-
-@triton.jit
-def _groups_at(row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Offsets [ROWS, COLS/16] of the group scales (one per 16 columns) of that tile. For 16x16 groups, pass the
-    tile's first 16-row block and their count as row0 and ROWS."""
-    rows = row0 + tl.arange(0, ROWS)
-    return rows[:, None] * (width // 16) + (col0 // 16 + tl.arange(0, COLS // 16))[None, :]
+    half = col0 // 2 + tl.arange(0, _TILE // 2)
+    tl.store(codes_ptr + rows[:, None] * (width // 2) + half[None, :], packed)
 
 
 @triton.jit
@@ -384,12 +376,15 @@ def _quantize_kernel(
         scale = tl.where(error4 < error, scale4, scale)
 
     codes = tl.reshape(_e2m1_code(magnitude, groups), (ROWS, _TILE))
-    tl.store(codes_ptr + _codes_at(row0, col0, C, ROWS, _TILE), _pack(codes, ROWS, _TILE))
+    _store_codes(codes_ptr, _pack(codes, ROWS, _TILE), row0, col0, C, ROWS)
+    groups_out = col0 // 16 + tl.arange(0, 8)
     if TILE16:
-        tl.store(scales_ptr + _groups_at(row0 // 16, col0, C, ROWS // 16, _TILE),
+        tiles = row0 // 16 + tl.arange(0, ROWS // 16)
+        tl.store(scales_ptr + tiles[:, None] * (C // 16) + groups_out[None, :],
                  _e4m3_bits(tl.reshape(scale, (ROWS // 16, 8))))
     else:
-        tl.store(scales_ptr + _groups_at(row0, col0, C, ROWS, _TILE), _e4m3_bits(tl.reshape(scale, (ROWS, 8))))
+        rows = row0 + tl.arange(0, ROWS)
+        tl.store(scales_ptr + rows[:, None] * (C // 16) + groups_out[None, :], _e4m3_bits(tl.reshape(scale, (ROWS, 8))))
     if scaled_ptr is not None:
         rows = row0 + tl.arange(0, ROWS)
         cols = col0 + tl.arange(0, _TILE)
@@ -421,8 +416,9 @@ def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, wid
     corrected = tl.reshape(scale * tl.where(overlap > 0, tl.math.div_rn(norm, overlap), 1.0), (ROWS, 8))
     corrected = corrected * tensor_scale
     codes = tl.reshape(code | _code_sign(scaled), (ROWS, _TILE))
-    tl.store(codes_ptr + _codes_at(row0, col0, width, ROWS, _TILE), _pack(codes, ROWS, _TILE))
-    tl.store(corrected_ptr + _groups_at(row0, col0, width, ROWS, _TILE), corrected)
+    _store_codes(codes_ptr, _pack(codes, ROWS, _TILE), row0, col0, width, ROWS)
+    rows = row0 + tl.arange(0, ROWS)
+    tl.store(corrected_ptr + rows[:, None] * (width // 16) + (col0 // 16 + tl.arange(0, 8))[None, :], corrected)
     return _abs_bits(corrected)
 
 
@@ -434,8 +430,10 @@ def _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0,
     if x_ptr is not None:
         values = _saturate(_load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS, COLS, False))
     else:
-        packed = tl.load(in_codes_ptr + _codes_at(row0, col0, C, ROWS, COLS))
-        group_scale = _e4m3_value(tl.load(in_scales_ptr + _groups_at(row0, col0, C, ROWS, COLS)))
+        rows = row0 + tl.arange(0, ROWS)
+        packed = tl.load(in_codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, COLS // 2))[None, :])
+        group_scale = _e4m3_value(tl.load(in_scales_ptr + rows[:, None] * (C // 16)
+                                          + (col0 // 16 + tl.arange(0, COLS // 16))[None, :]))
         values = tl.reshape(tl.reshape(_e2m1_value(_unpack(packed, ROWS, COLS)), (ROWS, COLS // 16, 16))
                             * group_scale[:, :, None], (ROWS, COLS))
     return values
@@ -560,17 +558,19 @@ def _dequantize_kernel(codes_ptr, scales_ptr, tensor_scale_ptr, out_ptr, C, ROWS
     """out [R, C] <- code * group_scale (* tensor_scale), one [ROWS, 128] tile per program."""
     row0 = tl.program_id(0) * ROWS
     col0 = tl.program_id(1) * _TILE
-    packed = tl.load(codes_ptr + _codes_at(row0, col0, C, ROWS, _TILE))
+    rows = row0 + tl.arange(0, ROWS)
+    packed = tl.load(codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, _TILE // 2))[None, :])
+    groups = col0 // 16 + tl.arange(0, 8)
     values = tl.reshape(_e2m1_value(_unpack(packed, ROWS, _TILE)), (ROWS // 16, 16, 8, 16))
     if TILE16:
-        scales = _e4m3_value(tl.load(scales_ptr + _groups_at(row0 // 16, col0, C, ROWS // 16, _TILE)))
+        tiles = row0 // 16 + tl.arange(0, ROWS // 16)
+        scales = _e4m3_value(tl.load(scales_ptr + tiles[:, None] * (C // 16) + groups[None, :]))
         values = values * tl.reshape(scales, (ROWS // 16, 1, 8, 1))
     else:
-        scales = _e4m3_value(tl.load(scales_ptr + _groups_at(row0, col0, C, ROWS, _TILE)))
+        scales = _e4m3_value(tl.load(scales_ptr + rows[:, None] * (C // 16) + groups[None, :]))
         values = values * tl.reshape(scales, (ROWS // 16, 16, 8, 1))
     if TENSOR_SCALE:
         values = values * tl.load(tensor_scale_ptr)
-    rows = row0 + tl.arange(0, ROWS)
     cols = col0 + tl.arange(0, _TILE)
     values = tl.reshape(values, (ROWS, _TILE)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], values)
