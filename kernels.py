@@ -237,26 +237,33 @@ def _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS: tl.constexpr, COLS: 
 
 
 @triton.jit
-def _store_codes(codes_ptr, packed, row0, col0, width, ROWS: tl.constexpr):
-    """Packed codes [ROWS, TILE/2] of the tile at (row0, col0) of an output [*, width]."""
+def _codes_at(row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Offsets [ROWS, COLS/2] of the packed codes of the [ROWS, COLS] tile at (row0, col0) of a [*, width] tensor
+    (two codes per byte)."""
     rows = row0 + tl.arange(0, ROWS)
-    half = col0 // 2 + tl.arange(0, _TILE // 2)
-    tl.store(codes_ptr + rows[:, None] * (width // 2) + half[None, :], packed)
+    return rows[:, None] * (width // 2) + (col0 // 2 + tl.arange(0, COLS // 2))[None, :]
+
+
+@triton.jit
+def _groups_at(row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr):
+    """Offsets [ROWS, COLS/16] of the group scales (one per 16 columns) of that tile. For 16x16 groups, pass the
+    tile's first 16-row block and their count as row0 and ROWS."""
+    rows = row0 + tl.arange(0, ROWS)
+    return rows[:, None] * (width // 16) + (col0 // 16 + tl.arange(0, COLS // 16))[None, :]
 
 
 @triton.jit
 def _rotation_matrix(signs_ptr, N: tl.constexpr):
-    """diag(s) * H for each N-chunk (N a power of two up to 128) as a [128, 128] matrix of +-1 (block-diagonal when
-    N < 128), generated in registers: H[i, j] = (-1)^popcount(i & j) (Sylvester). Only the sign bit of each entry of
-    signs is used."""
-    i = tl.arange(0, _TILE)[:, None]
-    j = tl.arange(0, _TILE)[None, :]
-    bits = i & j & (N - 1)
+    """diag(s) * H as an [N, N] matrix of +-1 (N a power of two, 16 to 128), generated in registers:
+    H[i, j] = (-1)^popcount(i & j) (Sylvester). Only the sign bit of each entry of signs is used."""
+    i = tl.arange(0, N)[:, None]
+    j = tl.arange(0, N)[None, :]
+    bits = i & j
     bits = bits ^ (bits >> 4)
     bits = bits ^ (bits >> 2)
     bits = bits ^ (bits >> 1)  # bit 0 is now the parity of the 7 bits of i & j
-    signs = tl.where(tl.load(signs_ptr + tl.arange(0, _TILE) % N) < 0, -1.0, 1.0)[:, None]
-    return tl.where((i // N) == (j // N), (1 - 2 * (bits & 1)).to(tl.float32) * signs, 0.0)
+    signs = tl.where(tl.load(signs_ptr + tl.arange(0, N)) < 0, -1.0, 1.0)[:, None]
+    return (1 - 2 * (bits & 1)).to(tl.float32) * signs
 
 
 @triton.jit
@@ -271,13 +278,16 @@ def _saturate(tile):
 
 @triton.jit
 def _rotate(tile, rotation, N: tl.constexpr, DOT_FP32: tl.constexpr):
-    """rht(tile) for tile [rows, 128] (saturated) and rotation = _rotation_matrix(signs, N): the sum of +-x runs on
-    tensor cores in FP32 (exact products), then one multiplication by 1/sqrt(N), as eden.rht computes it."""
+    """rht(tile) for tile [rows, 128] (saturated) and rotation = _rotation_matrix(signs, N): each N-chunk of a row
+    times the [N, N] matrix (the tile seen as [rows * 128 / N, N]); the sum of +-x runs on tensor cores in FP32
+    (exact products), then one multiplication by 1/sqrt(N), as eden.rht computes it."""
+    ROWS: tl.constexpr = tile.shape[0]
+    chunks = tl.reshape(tile, (ROWS * _TILE // N, N))
     if DOT_FP32:  # FP32 operands: no TF32 truncation
-        rotated = tl.dot(tile.to(tl.float32), rotation, input_precision="ieee")
+        rotated = tl.dot(chunks.to(tl.float32), rotation.to(tl.float32), input_precision="ieee")
     else:  # BF16 input: exact in BF16
-        rotated = tl.dot(tile.to(tl.bfloat16), rotation.to(tl.bfloat16))
-    return rotated * (1 / math.sqrt(N))
+        rotated = tl.dot(chunks.to(tl.bfloat16), rotation.to(tl.bfloat16))
+    return tl.reshape(rotated, (ROWS, _TILE)) * (1 / math.sqrt(N))
 
 
 @triton.jit
@@ -376,15 +386,12 @@ def _quantize_kernel(
         scale = tl.where(error4 < error, scale4, scale)
 
     codes = tl.reshape(_e2m1_code(magnitude, groups), (ROWS, _TILE))
-    _store_codes(codes_ptr, _pack(codes, ROWS, _TILE), row0, col0, C, ROWS)
-    groups_out = col0 // 16 + tl.arange(0, 8)
+    tl.store(codes_ptr + _codes_at(row0, col0, C, ROWS, _TILE), _pack(codes, ROWS, _TILE))
     if TILE16:
-        tiles = row0 // 16 + tl.arange(0, ROWS // 16)
-        tl.store(scales_ptr + tiles[:, None] * (C // 16) + groups_out[None, :],
+        tl.store(scales_ptr + _groups_at(row0 // 16, col0, C, ROWS // 16, _TILE),
                  _e4m3_bits(tl.reshape(scale, (ROWS // 16, 8))))
     else:
-        rows = row0 + tl.arange(0, ROWS)
-        tl.store(scales_ptr + rows[:, None] * (C // 16) + groups_out[None, :], _e4m3_bits(tl.reshape(scale, (ROWS, 8))))
+        tl.store(scales_ptr + _groups_at(row0, col0, C, ROWS, _TILE), _e4m3_bits(tl.reshape(scale, (ROWS, 8))))
     if scaled_ptr is not None:
         rows = row0 + tl.arange(0, ROWS)
         cols = col0 + tl.arange(0, _TILE)
@@ -416,9 +423,8 @@ def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, wid
     corrected = tl.reshape(scale * tl.where(overlap > 0, tl.math.div_rn(norm, overlap), 1.0), (ROWS, 8))
     corrected = corrected * tensor_scale
     codes = tl.reshape(code | _code_sign(scaled), (ROWS, _TILE))
-    _store_codes(codes_ptr, _pack(codes, ROWS, _TILE), row0, col0, width, ROWS)
-    rows = row0 + tl.arange(0, ROWS)
-    tl.store(corrected_ptr + rows[:, None] * (width // 16) + (col0 // 16 + tl.arange(0, 8))[None, :], corrected)
+    tl.store(codes_ptr + _codes_at(row0, col0, width, ROWS, _TILE), _pack(codes, ROWS, _TILE))
+    tl.store(corrected_ptr + _groups_at(row0, col0, width, ROWS, _TILE), corrected)
     return _abs_bits(corrected)
 
 
@@ -430,10 +436,8 @@ def _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0,
     if x_ptr is not None:
         values = _saturate(_load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS, COLS, False))
     else:
-        rows = row0 + tl.arange(0, ROWS)
-        packed = tl.load(in_codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, COLS // 2))[None, :])
-        group_scale = _e4m3_value(tl.load(in_scales_ptr + rows[:, None] * (C // 16)
-                                          + (col0 // 16 + tl.arange(0, COLS // 16))[None, :]))
+        packed = tl.load(in_codes_ptr + _codes_at(row0, col0, C, ROWS, COLS))
+        group_scale = _e4m3_value(tl.load(in_scales_ptr + _groups_at(row0, col0, C, ROWS, COLS)))
         values = tl.reshape(tl.reshape(_e2m1_value(_unpack(packed, ROWS, COLS)), (ROWS, COLS // 16, 16))
                             * group_scale[:, :, None], (ROWS, COLS))
     return values
@@ -558,19 +562,17 @@ def _dequantize_kernel(codes_ptr, scales_ptr, tensor_scale_ptr, out_ptr, C, ROWS
     """out [R, C] <- code * group_scale (* tensor_scale), one [ROWS, 128] tile per program."""
     row0 = tl.program_id(0) * ROWS
     col0 = tl.program_id(1) * _TILE
-    rows = row0 + tl.arange(0, ROWS)
-    packed = tl.load(codes_ptr + rows[:, None] * (C // 2) + (col0 // 2 + tl.arange(0, _TILE // 2))[None, :])
-    groups = col0 // 16 + tl.arange(0, 8)
+    packed = tl.load(codes_ptr + _codes_at(row0, col0, C, ROWS, _TILE))
     values = tl.reshape(_e2m1_value(_unpack(packed, ROWS, _TILE)), (ROWS // 16, 16, 8, 16))
     if TILE16:
-        tiles = row0 // 16 + tl.arange(0, ROWS // 16)
-        scales = _e4m3_value(tl.load(scales_ptr + tiles[:, None] * (C // 16) + groups[None, :]))
+        scales = _e4m3_value(tl.load(scales_ptr + _groups_at(row0 // 16, col0, C, ROWS // 16, _TILE)))
         values = values * tl.reshape(scales, (ROWS // 16, 1, 8, 1))
     else:
-        scales = _e4m3_value(tl.load(scales_ptr + rows[:, None] * (C // 16) + groups[None, :]))
+        scales = _e4m3_value(tl.load(scales_ptr + _groups_at(row0, col0, C, ROWS, _TILE)))
         values = values * tl.reshape(scales, (ROWS // 16, 16, 8, 1))
     if TENSOR_SCALE:
         values = values * tl.load(tensor_scale_ptr)
+    rows = row0 + tl.arange(0, ROWS)
     cols = col0 + tl.arange(0, _TILE)
     values = tl.reshape(values, (ROWS, _TILE)).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * C + cols[None, :], values)
