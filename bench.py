@@ -3,7 +3,7 @@ Measurements. Every number in the README comes from one of these commands:
 
     python bench.py quant    # quantizer error table (paper Table 1) and unbiasedness, CPU or GPU
     python bench.py kernels  # each Triton kernel: time and bandwidth next to the copy bandwidth (GPU)
-    python bench.py linear   # forward+backward of one linear layer per recipe, as a ratio to BF16 (GPU)
+    python bench.py linear   # forward+backward of one (compiled) linear layer per recipe, as a ratio to BF16 (GPU)
     python bench.py train    # tokens/s and peak memory of a training step per recipe (GPU)
     python bench.py grad     # gradient concentration per recipe: the paper's Figure 9 (CPU or GPU)
     python bench.py study    # train.py for recipes x seeds and the comparison table (GPU)
@@ -166,13 +166,16 @@ LINEAR_SHAPES = {
 }
 
 
-def layer_step(layer, x, grad):
-    """One forward + backward through a linear layer, returning the function to time and its peak extra memory."""
+def layer_step(layer, x, grad, compile_mode):
+    """One forward + backward through a linear layer, compiled as train.py compiles its model (compile_mode None:
+    eager), returning the function to time and its peak extra memory."""
+    runner = layer if compile_mode is None else train.compile_model(layer, compile_mode)
+
     def step():
         layer.weight.grad = None
         x.grad = None
-        layer(x).backward(grad)
-    step()
+        runner(x).backward(grad)
+    step()  # compiles, warms up
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -184,22 +187,27 @@ def layer_step(layer, x, grad):
 def bench_linear(args):
     device = _gpu()
     tokens = args.tokens
+    compile_mode = args.compile_mode if args.compile else None
+    print(f"forward + backward of {tokens} tokens, "
+          f"{'eager' if compile_mode is None else f'torch.compile (mode {compile_mode})'}")
     print(f"{'layer':<13}{'in->out':>13}{'bf16 ms':>9}{'quartet2':>10}{'nvidia':>9}   peak extra memory GB "
           f"(bf16 / quartet2 / nvidia)")
     rows = []
     for name, (d_in, d_out) in LINEAR_SHAPES.items():
         if args.only and not any(word in name for word in args.only):
             continue
+        torch.compiler.reset()  # every shape compiles afresh: torch.compile gives up after 8 recompilations
         x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
-        result = dict(layer=name, d_in=d_in, d_out=d_out, tokens=tokens)
+        result = dict(layer=name, d_in=d_in, d_out=d_out, tokens=tokens, compiled=args.compile,
+                      compile_mode=compile_mode)
         reference = torch.nn.Linear(d_in, d_out, bias=False, device=device, dtype=torch.bfloat16)
         layers = dict(bf16=reference, quartet2=Linear(d_in, d_out, "quartet2").to(device),
                       nvidia=Linear(d_in, d_out, "nvidia").to(device))
         for recipe, layer in layers.items():
             if recipe != "bf16":
                 layer.weight.data.copy_(reference.weight.float())
-            step, memory = layer_step(layer, x, grad)
+            step, memory = layer_step(layer, x, grad, compile_mode)
             result[f"{recipe}_ms"], result[f"{recipe}_memory_gb"] = median_ms(step), memory / 1e9
         for recipe in ("quartet2", "nvidia"):
             result[f"{recipe}_ratio"] = result[f"{recipe}_ms"] / result["bf16_ms"]
@@ -457,6 +465,9 @@ def main(argv=None):
     linear = commands.add_parser("linear", help="one linear layer, forward + backward, per recipe (GPU)")
     linear.add_argument("--tokens", type=int, default=32768)
     linear.add_argument("--only", nargs="*", help="layer names containing these words (e.g. 3B d20)")
+    linear.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                        help="torch.compile each layer (default), or --no-compile for eager")
+    linear.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
     training = commands.add_parser("train", help="a training step per recipe (GPU)")
     training.add_argument("--depth", type=int, nargs="+", default=[12, 20])
     training.add_argument("--recipes", default="bf16,quartet2,nvidia", type=recipe_list)
@@ -487,7 +498,7 @@ def main(argv=None):
     for command in (quant, kernel, linear, training, grad, study):
         command.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
-    if args.command == "train" and args.compile_mode is None:
+    if args.command in ("train", "linear") and args.compile_mode is None:
         args.compile_mode = train.COMPILE_MODE
     run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train, grad=bench_grad,
                study=bench_study)[args.command]
