@@ -43,7 +43,7 @@ import triton.language as tl
 from torch import Tensor
 
 from eden import EDEN_FP4_MAX, EDEN_FP8_MAX, HADAMARD, ROTATION_LIMIT, quantize_ms_eden, rht
-from quantize import (E2M1_MAX, GROUP, MIN_NORMAL, MIN_TENSOR_SCALE, NVFP4Tensor, check_quantizer, default_fp8_max,
+from quantize import (E2M1_MAX, ERROR_UNITS, GROUP, MIN_NORMAL, MIN_TENSOR_SCALE, NVFP4Tensor, check_quantizer, default_fp8_max,
                       quantize_nvfp4)
 
 # The Triton interpreter (CPU) gets BF16 dots wrong; there the rotation runs in FP32, exact for BF16 values.
@@ -67,6 +67,7 @@ _EDEN_FP8_MAX = tl.constexpr(EDEN_FP8_MAX)
 _MIN_NORMAL = tl.constexpr(MIN_NORMAL)
 _MIN_TENSOR_SCALE = tl.constexpr(MIN_TENSOR_SCALE)
 _ROTATION_LIMIT = tl.constexpr(ROTATION_LIMIT)
+_ERROR_UNITS = tl.constexpr(ERROR_UNITS)
 # float32 bit fields: value = 2^(exponent - 127) * 1.mantissa, the exponent in bits 23-30
 _FP32_BIAS = tl.constexpr(127)
 _E4M3_BIAS = tl.constexpr(7)
@@ -332,17 +333,17 @@ def _rotated_amax_kernel(
 def _quantize_branch(groups, group_amax, fp4_max, tensor_scale, noise, STOCHASTIC: tl.constexpr,
                      TILE16: tl.constexpr):
     """One quantization of groups [ROWS/16, 16, 8, 16] (as quantize._quantize_groups): E2M1 magnitudes, E4M3 scales
-    [.., 1] and the squared error per group in FP64 (so that four-over-six's choice does not depend on the order of
-    the sum)."""
+    [.., 1] and four-over-six's error per group: group_scale^2 * sum(units^2) in FP64 (exact), the units in
+    integers, so that the sum is the same in any order."""
     scale = _e4m3_round(tl.math.div_rn(tl.math.div_rn(group_amax, fp4_max), tensor_scale))
     scale = tl.where(scale == 0, 1.0, scale)
-    magnitude = _e2m1_round(groups * tl.math.div_rn(1.0, scale * tensor_scale), noise, STOCHASTIC)
-    value = _with_sign_of(magnitude, groups)
-    difference = groups.to(tl.float64) - value.to(tl.float64) * scale.to(tl.float64) * tensor_scale.to(tl.float64)
-    error = tl.sum(difference * difference, axis=3, keep_dims=True)
+    scaled = groups * tl.math.div_rn(1.0, scale * tensor_scale)
+    magnitude = _e2m1_round(scaled, noise, STOCHASTIC)
+    units = ((tl.abs(scaled) - magnitude) * _ERROR_UNITS).to(tl.int32)  # truncated toward zero
+    error = tl.sum(units * units, axis=3, keep_dims=True)
     if TILE16:
         error = tl.sum(error, axis=1, keep_dims=True)
-    return magnitude, scale, error
+    return magnitude, scale, error.to(tl.float64) * (scale * scale).to(tl.float64)
 
 
 @triton.jit

@@ -46,6 +46,12 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
      of between 4 and 6: a finer step where most of the error is made. The 1.5x larger scale needs headroom in
      E4M3, so fp8_max is 256 instead of 448 (default_fp8_max). Choosing by error makes the quantizer biased, which
      is fine for the forward pass only.
+     The squared error: with x' = x / (group_scale * tensor_scale), (x - value * group_scale * tensor_scale)^2 =
+     tensor_scale^2 * group_scale^2 * (x' - value)^2, and tensor_scale is the same in both branches. So each
+     branch's error is group_scale^2 * sum(units^2), units = trunc(ERROR_UNITS * (|x'| - |value|)): each element's
+     error in integer 1/1024ths of a grid unit. Integers add up to the same sum in any order, and the product with
+     group_scale^2 (8 significant bits) is exact in FP64, so a GPU kernel, which adds in an order of its own, makes
+     exactly the same choice.
 
 5. NaN and Inf: E2M1 has neither. A NaN or Inf anywhere in the input makes the tensor scale NaN, so the whole tensor
    dequantizes to NaN instead of silently turning into finite numbers.
@@ -72,6 +78,7 @@ MIN_NORMAL = 2.0**-126  # FP32's smallest normal number: its reciprocal is still
 MIN_TENSOR_SCALE = MIN_NORMAL / 2.0**-9  # times the smallest E4M3 group scale, still normal (section 6)
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude of codes 0..7
 GROUP = 16  # elements per group scale (along the last dimension, or 16x16 tiles)
+ERROR_UNITS = 1024  # four-over-six measures errors in integer 1/1024ths of a grid unit (section 4)
 BLOCKS = ("1x16", "16x16")
 ROUNDINGS = ("rtn", "sr")
 
@@ -259,13 +266,14 @@ def from_groups(groups, block):
 
 
 def _quantize_groups(groups, group_amax, fp4_max, tensor_scale, noise):
-    """One RTN/SR pass: returns (E2M1 values, E4M3 group scales as float32, squared error per group in FP64)."""
+    """One RTN/SR pass: returns (E2M1 values, E4M3 group scales as float32, four-over-six's error per group)."""
     group_scale = e4m3_round(group_amax / fp4_max / tensor_scale)
     group_scale = torch.where(group_scale == 0, torch.ones_like(group_scale), group_scale)
-    values = e2m1_round(groups * (1 / (group_scale * tensor_scale)), noise)  # times the reciprocal, as kernels do
-    # FP64 so the 4/6 choice does not depend on summation order (the GPU kernel must make the same choice).
-    error = (groups.double() - values.double() * group_scale.double() * tensor_scale.double()).square().sum(-1)
-    return values, group_scale, error
+    scaled = groups * (1 / (group_scale * tensor_scale))  # times the reciprocal, as kernels do
+    values = e2m1_round(scaled, noise)
+    units = ((scaled.abs() - values.abs()) * ERROR_UNITS).to(torch.int32)  # truncated toward zero
+    error = units.square().sum(-1, keepdim=True).double() * group_scale.double().square()  # exact
+    return values, group_scale, error.squeeze(-1)
 
 
 def quantize_nvfp4(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2M1_MAX, fp8_max=None,
