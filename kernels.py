@@ -13,13 +13,14 @@ what it reads and writes. Besides the packed codes and scales, the quantizers wr
 BF16: at most 6 significant bits) for the emulated GEMM, which applies the FP32 tensor scales to its output.
 
 Exactness. Each kernel performs the reference's floating-point operations in the same order (IEEE division via
-div_rn, E2M1/E4M3 rounding with integer bit arithmetic or a magic addition, exact for every float32), so codes and
-scales are bit-identical to the reference. The exceptions: a rotation sums +-x on tensor cores, in their own FP32
-order, and scales once (the reference multiplies by +-1/sqrt(n)), and MS-EDEN's two sums per group run in the
-compiler's order, so a value can land on the other side of a rounding boundary (at most 1 code in 2000 in the
-tests) and a corrected scale can differ in its last bits (at most 1e-5, tested); the re-quantization applies the
-saved tensor scale to the corrected scales instead of to the values (bounded the same way); and the random bits come
-from Philox here and from torch's generator there, so random outputs are compared by their statistics.
+div_rn, E2M1/E4M3 rounding with integer bit arithmetic or a magic addition, exact for every float32; four-over-six's
+errors in integers, whose sums do not depend on their order), so codes and scales are bit-identical to the
+reference. The exceptions: a rotation sums +-x on tensor cores, in their own FP32 order, and scales once (the
+reference multiplies by +-1/sqrt(n)), and MS-EDEN's two sums per group run in the compiler's order, so a value can
+land on the other side of a rounding boundary (at most 1 code in 2000 in the tests) and a corrected scale can differ
+in its last bits (at most 1e-5, tested); the re-quantization applies the saved tensor scale to the corrected scales
+instead of to the values (bounded the same way); and the random bits come from Philox here and from torch's
+generator there, so random outputs are compared by their statistics.
 
 Operators. quantize, ms_eden_pair, requantize_ms_eden and dequantize, what model.py calls, are PyTorch operators
 (torch.library): plain tensors in and out (codes, group scales, tensor scale, code * group_scale), the kernels on
@@ -43,8 +44,8 @@ import triton.language as tl
 from torch import Tensor
 
 from eden import EDEN_FP4_MAX, EDEN_FP8_MAX, HADAMARD, ROTATION_LIMIT, quantize_ms_eden, rht
-from quantize import (E2M1_MAX, ERROR_UNITS, GROUP, MIN_NORMAL, MIN_TENSOR_SCALE, NVFP4Tensor, check_quantizer, default_fp8_max,
-                      quantize_nvfp4)
+from quantize import (E2M1_MAX, ERROR_UNITS, GROUP, MIN_NORMAL, MIN_TENSOR_SCALE, NVFP4Tensor, check_quantizer,
+                      default_fp8_max, quantize_nvfp4)
 
 # The Triton interpreter (CPU) gets BF16 dots wrong; there the rotation runs in FP32, exact for BF16 values.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"

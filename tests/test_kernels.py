@@ -53,6 +53,27 @@ def test_rtn_kernel_is_bit_identical(shape, options, dtype):
     assert_same_quantization(cpu(kernels.triton_quantize(x, **options)), quantize_nvfp4(x.cpu(), **options))
 
 
+@pytest.mark.parametrize("block", ["1x16", "16x16"])
+def test_four_over_six_ties_keep_six_in_the_kernel_too(block):
+    # Every group holds +-1536, so the tensor scale is 1 and the branches' group scales are exactly 256 (max -> 6)
+    # and 384 (max -> 4). Rows 0-15: besides the maximum only zeros and halves of it, exact in both branches: a tie,
+    # which keeps 6. Rows 16-31: three quarters of the maximum, 4.5 in the 6-branch (rounded, error 0.5) but exactly 3
+    # in the 4-branch, which wins.
+    x = torch.zeros(32, 128)
+    x[:, ::16] = 1536.0
+    x[:16, 3::16], x[:16, 7::16] = -768.0, 768.0
+    x[16:, 5::16] = -1152.0
+    x = x.to(DEVICE)
+    ours = cpu(kernels.triton_quantize(x, four_over_six=True, block=block))
+    reference = quantize_nvfp4(x.cpu(), four_over_six=True, block=block)
+    assert_same_quantization(ours, reference)
+    scales = reference.group_scale.float()
+    if block == "1x16":
+        assert (scales[:16] == 256).all() and (scales[16:] == 384).all()
+    else:  # a 16x16 tile's error adds its rows: the first tile ties, the second has the 4-branch's lower error
+        assert (scales[0] == 256).all() and (scales[1] == 384).all()
+
+
 def test_rtn_kernel_from_a_transposed_view():
     x = varied(256, 192)  # the kernel reads x^T [192, 256] through strides
     ours = cpu(kernels.triton_quantize(x, transpose=True, four_over_six=True))
