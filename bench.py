@@ -269,7 +269,7 @@ def profile(fn, name, steps=3):
             fn()
         torch.cuda.synchronize()
     events = profiler.key_averages()
-    print(f"--- profile of {name}, per call (averaged over {steps}):")
+    print(f"--- profile of {name}: {steps} calls (the totals are over all {steps})")
     print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
 
 
@@ -279,6 +279,8 @@ def bench_train(args):
     mode = f"torch.compile (mode {args.compile_mode})" if args.compile else "eager"
     print(f"training step of train.py's presets: micro-batches of {args.device_batch} x {args.seq_len} tokens, "
           f"BF16 autocast, {mode}")
+    if args.profile:  # measured 2026-12-01: after a profile, the next recipes' steps ran up to 40% slower
+        print("--profile: every recipe after the first runs after a profiler: its speed is not comparable")
     print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'optim ms':>9}{'step ms':>9}{'tokens/s':>11}"
           f"{'vs bf16':>8}{'peak GB':>8}")
     rows = []
@@ -476,7 +478,9 @@ def main(argv=None):
     training.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                           help="torch.compile the model (default), or --no-compile for eager")
     training.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
-    training.add_argument("--profile", action="store_true", help="also print a torch.profiler table per model")
+    training.add_argument("--profile", action="store_true",
+                          help="also print a torch.profiler table per model (the profiler slows what runs after it: "
+                               "take speed ratios from a run without it)")
     grad = commands.add_parser("grad", help="gradient concentration per recipe (the paper's Figure 9)")
     grad.add_argument("--recipes", type=recipe_list,
                       default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46")
