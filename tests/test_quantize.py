@@ -129,8 +129,8 @@ def test_16x16_tiles_share_one_scale_and_commute_with_transpose():
 
 
 def test_four_over_six_keeps_the_branch_with_the_smaller_error():
-    # Each branch's error is measured in integer 1/1024ths of a grid unit (section 4): truncating an element's error
-    # u (in grid units) by d < 1/1024 moves u^2 by at most 2|u|/1024. Where the exact errors differ by more than
+    # Each branch's error is measured in integer 1/1024ths of a grid unit (section 4): moving an element's error u
+    # (in grid units) by at most d moves u^2 by at most d * (2|u| + d). Where the exact errors differ by more than
     # both branches' bounds, 4/6 must keep the smaller; nowhere may it be worse than that bound.
     g = torch.Generator().manual_seed(6)
     x = torch.randn(256, 256, generator=g) * torch.rand(256, 1, generator=g) * 10
@@ -144,7 +144,8 @@ def test_four_over_six_keeps_the_branch_with_the_smaller_error():
         unit = group_scale.double() * tensor_scale  # one grid step of 1 in x's units
         u = (groups - values.double() * unit) / unit  # each element's error in grid units
         errors.append((u * unit).square().sum(-1))
-        bounds.append((unit.square() * (2 * u.abs().sum(-1, keepdim=True) + 16 / 1024) / 1024).squeeze(-1) * 1.001)
+        step = 1 / 1024 + 2.0**-20  # the truncation, plus FP32's two roundings of x' (|x'| < 8) in the quantizer
+        bounds.append((unit.square() * step * (2 * u.abs().sum(-1, keepdim=True) + 16 * step)).squeeze(-1))
         scaled_values.append(values * group_scale)  # exact in FP32
     kept = to_groups(q46.dequantize(tensor_scale=False), "1x16")
     pick4 = (kept != scaled_values[0]).any(-1)
