@@ -286,7 +286,7 @@ def _rotate(tile, rotation, N: tl.constexpr, DOT_FP32: tl.constexpr):
     ROWS: tl.constexpr = tile.shape[0]
     chunks = tl.reshape(tile, (ROWS * _TILE // N, N))
     if DOT_FP32:  # FP32 operands: no TF32 truncation
-        rotated = tl.dot(chunks.to(tl.float32), rotation.to(tl.float32), input_precision="ieee")
+        rotated = tl.dot(chunks.to(tl.float32), rotation, input_precision="ieee")
     else:  # BF16 input: exact in BF16
         rotated = tl.dot(chunks.to(tl.bfloat16), rotation.to(tl.bfloat16))
     return tl.reshape(rotated, (ROWS, _TILE)) * (1 / math.sqrt(N))
