@@ -44,8 +44,8 @@ import triton.language as tl
 from torch import Tensor
 
 from eden import EDEN_FP4_MAX, EDEN_FP8_MAX, HADAMARD, ROTATION_LIMIT, quantize_ms_eden, rht
-from quantize import (E2M1_MAX, ERROR_UNITS, GROUP, MIN_NORMAL, MIN_TENSOR_SCALE, NVFP4Tensor, check_quantizer,
-                      default_fp8_max, quantize_nvfp4)
+from quantize import (E2M1_MAX, ERROR_UNITS, GROUP, MIN_NORMAL, MIN_TENSOR_SCALE, SR_NOISE_BITS, NVFP4Tensor,
+                      check_quantizer, default_fp8_max, quantize_nvfp4)
 
 # The Triton interpreter (CPU) gets BF16 dots wrong; there the rotation runs in FP32, exact for BF16 values.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -69,6 +69,7 @@ _MIN_NORMAL = tl.constexpr(MIN_NORMAL)
 _MIN_TENSOR_SCALE = tl.constexpr(MIN_TENSOR_SCALE)
 _ROTATION_LIMIT = tl.constexpr(ROTATION_LIMIT)
 _ERROR_UNITS = tl.constexpr(ERROR_UNITS)
+_SR_NOISE_STEP = tl.constexpr(2.0**-SR_NOISE_BITS)
 # float32 bit fields: value = 2^(exponent - 127) * 1.mantissa, the exponent in bits 23-30
 _FP32_BIAS = tl.constexpr(127)
 _E4M3_BIAS = tl.constexpr(7)
@@ -294,11 +295,13 @@ def _rotate(tile, rotation, N: tl.constexpr, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _uniform_noise(seed, first, COUNT: tl.constexpr):
-    """COUNT uniform floats in [0, 1) for Philox counters first ... first + COUNT - 1. Philox makes four 32-bit
-    numbers per call; all four are used (tl.rand would use one)."""
-    a, b, c, d = tl.randint4x(seed, first // 4 + tl.arange(0, COUNT // 4))
-    bits = tl.reshape(tl.join(tl.join(a, b), tl.join(c, d)), (COUNT,))
-    return tl.random.uint_to_uniform_float(bits)
+    """Stochastic rounding's COUNT draws (k + 1/2) / 2^16 (as quantize.sr_noise) for the elements first ...
+    first + COUNT - 1 (first a multiple of 8). Philox makes four 32-bit numbers per call (tl.rand would use one),
+    and each number gives two elements their 16 bits: one call per 8 elements."""
+    a, b, c, d = tl.randint4x(seed, first // 8 + tl.arange(0, COUNT // 8))
+    words = tl.reshape(tl.join(tl.join(a, b), tl.join(c, d)), (COUNT // 2,))
+    k = tl.reshape(tl.join(words & 0xFFFF, words >> 16), (COUNT,))
+    return (k.to(tl.float32) + 0.5) * _SR_NOISE_STEP
 
 
 # -----------------------------------------------------------------------------

@@ -39,7 +39,9 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
      up with probability equal to the distance from the lower one (in units of the step). Then
      E[code * group_scale * tensor_scale] = x exactly, as long as nothing clips: SR therefore scales with
      fp4_max = 6 * 16/17 (SR_FP4_MAX), so that even a group scale shrunk by 16/17 keeps the group maximum inside
-     the grid.
+     the grid. The random draw has 16 bits, (k + 1/2) / 2^16 for k uniform in 0 ... 2^16 - 1: the probability of
+     rounding up then differs from the exact distance by at most 2^-17 (a bias of at most 2^-17 grid steps, far
+     below anything training sees), and a kernel gets two elements' draws from one 32-bit random number.
    - Four-over-six (4/6): quantize each group twice, once mapping its maximum to fp4_max (6) and once to
      fp4_max * 4/6 (4, i.e. a group scale 1.5x larger), and keep the one with the smaller squared error (a tie keeps
      6). Mapping to 4 gives up the grid value 6, but the group's largest values then round between 3 and 4 instead
@@ -79,6 +81,7 @@ MIN_TENSOR_SCALE = MIN_NORMAL / 2.0**-9  # times the smallest E4M3 group scale, 
 E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])  # magnitude of codes 0..7
 GROUP = 16  # elements per group scale (along the last dimension, or 16x16 tiles)
 ERROR_UNITS = 1024  # four-over-six measures errors in integer 1/1024ths of a grid unit (section 4)
+SR_NOISE_BITS = 16  # random bits per element of stochastic rounding (section 4)
 BLOCKS = ("1x16", "16x16")
 ROUNDINGS = ("rtn", "sr")
 
@@ -102,6 +105,14 @@ def _round_to_grid(x, mantissa_bits, min_exponent, max_value, noise=None):
         lower = torch.floor(steps)
         rounded = lower + (noise < steps - lower).float()  # up with probability = distance from lower
     return torch.copysign((rounded * step).clamp(max=max_value), x)
+
+
+def sr_noise(shape, generator=None, device=None):
+    """Stochastic rounding's draws: (k + 1/2) / 2^16, k uniform in 0 ... 2^16 - 1 (section 4). Rounding up when
+    noise < d, d the distance from the lower neighbour, has probability ceil(2^16 d - 1/2) / 2^16: within 2^-17 of d,
+    and 0 on the grid (d = 0)."""
+    k = torch.randint(0, 2**SR_NOISE_BITS, shape, generator=generator, device=device)
+    return (k.float() + 0.5) / 2**SR_NOISE_BITS
 
 
 def e2m1_round(x, noise=None):
@@ -291,11 +302,11 @@ def quantize_nvfp4(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max
     groups = to_groups(x.float(), block)  # [..., groups, 16 or 256]
     group_amax = groups.abs().amax(-1, keepdim=True)
     tensor_scale = tensor_scale_for(groups.abs().amax(), fp8_max * fp4_max)
-    noise = torch.rand(groups.shape, generator=generator, device=x.device) if rounding == "sr" else None
+    noise = sr_noise(groups.shape, generator, x.device) if rounding == "sr" else None
 
     values, group_scale, error = _quantize_groups(groups, group_amax, fp4_max, tensor_scale, noise)
     if four_over_six:
-        noise4 = torch.rand(groups.shape, generator=generator, device=x.device) if rounding == "sr" else None
+        noise4 = sr_noise(groups.shape, generator, x.device) if rounding == "sr" else None
         values4, group_scale4, error4 = _quantize_groups(groups, group_amax, fp4_max * 4 / 6, tensor_scale, noise4)
         pick4 = (error4 < error).unsqueeze(-1)  # a tie keeps the 6-branch
         values = torch.where(pick4, values4, values)

@@ -89,6 +89,27 @@ def test_rtn_kernel_is_bit_identical_at_scale(options):
 
 # --- stochastic rounding: deterministic scales, random codes ----------------------------------------------------------
 
+@triton.jit
+def _noise_kernel(seed_ptr, out_ptr, COUNT: tl.constexpr):
+    first = tl.program_id(0) * COUNT
+    tl.store(out_ptr + first + tl.arange(0, COUNT), kernels._uniform_noise(tl.load(seed_ptr), first, COUNT))
+
+
+def test_sr_noise_kernel_draws_on_the_reference_lattice():
+    # The kernel's draws are quantize.sr_noise's (k + 1/2) / 2^16 (whose test derives the rounding bias from that),
+    # with k spread over its whole range, different for every element block and seed, the same for the same seed.
+    def draws(seed):
+        out = torch.empty(4 * 4096, device=DEVICE)
+        _noise_kernel[(4,)](torch.tensor([seed], device=DEVICE), out, COUNT=4096)
+        return out.cpu().double()
+    k = draws(7) * 2**16 - 0.5
+    assert torch.equal(k, k.round()) and k.min() >= 0 and k.max() < 2**16
+    assert abs(k.mean() - (2**16 - 1) / 2) <= 5 * 2**16 / (12 * k.numel()) ** 0.5
+    assert k.min() < 2**8 and k.max() >= 2**16 - 2**8  # each missed with probability (1 - 1/256)^16384
+    assert k.unique().numel() > 0.85 * k.numel()  # 16384 draws of 2^16 values: ~11% repeat by chance
+    assert torch.equal(draws(7), draws(7)) and not torch.equal(draws(7), draws(8))
+
+
 def neighbours(values):
     """The E2M1 magnitudes just below and above |values| (values already scaled into [0, 6])."""
     return grid_neighbours(values.clamp(-6, 6), E2M1_VALUES)

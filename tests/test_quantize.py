@@ -5,7 +5,8 @@ import torch
 
 import bench
 from quantize import (SR_FP4_MAX, E2M1_VALUES, NVFP4Tensor, _quantize_groups, decode_e2m1, e2m1_round, e4m3_round,
-                      e4m3_stochastic_round, encode_e2m1, pack_codes, quantize_nvfp4, to_groups, unpack_codes)
+                      e4m3_stochastic_round, encode_e2m1, pack_codes, quantize_nvfp4, sr_noise, to_groups,
+                      unpack_codes)
 
 from conftest import ALL_E4M3, grid_neighbours
 
@@ -48,6 +49,24 @@ def test_e2m1_round_is_nearest_with_ties_to_even():
     x = torch.tensor([0.24, 0.25, 0.26, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.01, 7.0, 100.0, -0.74, -5.0])
     expected = [0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, 6.0, -0.5, -4.0]
     assert e2m1_round(x).tolist() == expected
+
+
+def test_sr_noise_rounds_up_within_its_resolution():
+    # Every draw is (k + 1/2) / 2^16 with k an integer in 0 ... 2^16 - 1, all of them about equally likely ...
+    draws = sr_noise((8192,), torch.Generator().manual_seed(2))
+    k = draws.double() * 2**16 - 0.5
+    assert torch.equal(k, k.round()) and k.min() >= 0 and k.max() < 2**16
+    # (a uniform k: its mean within 5 standard errors, and both ends of the range reached; each end is missed with
+    # probability (1 - 1/256)^8192 = e^-32)
+    assert abs(k.mean() - (2**16 - 1) / 2) <= 5 * 2**16 / (12 * 8192) ** 0.5
+    assert k.min() < 2**8 and k.max() >= 2**16 - 2**8
+    # ... so the probability of rounding up, the share of the 2^16 draws below the distance d, is within 2^-17 of d:
+    # at most 2^-17 grid steps of bias, none on the grid (a 2^-16 lattice without the 1/2 would be up to 2^-16 off).
+    every_draw = (torch.arange(2**16, dtype=torch.float64) + 0.5) / 2**16
+    d = torch.cat([torch.rand(4000, generator=torch.Generator().manual_seed(3), dtype=torch.float64),
+                   torch.tensor([0.0, 2**-18, 2**-17, 3 * 2**-17, 0.5, 1 - 2**-17, 1 - 2**-24], dtype=torch.float64)])
+    p_up = torch.searchsorted(every_draw, d) / 2**16  # how many draws lie below d
+    assert (p_up - d).abs().max() <= 2**-17 and p_up[4000] == 0
 
 
 # --- codes ----------------------------------------------------------------------------------------------------------
