@@ -256,11 +256,15 @@ def _groups_at(row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _rotation_matrix(signs_ptr, N: tl.constexpr):
+def _rotation_matrix(signs_ptr, N: tl.constexpr, GROUPED: tl.constexpr = False):
     """diag(s) * H as an [N, N] matrix of +-1 (N a power of two, 16 to 128), generated in registers:
-    H[i, j] = (-1)^popcount(i & j) (Sylvester). Only the sign bit of each entry of signs is used."""
+    H[i, j] = (-1)^popcount(i & j) (Sylvester). Only the sign bit of each entry of signs is used.
+    GROUPED (N = 128): the columns in the order _grouped undoes: column 64w + 8j + 2q + p is H's column
+    16(4w + q) + 2j + p."""
     i = tl.arange(0, N)[:, None]
     j = tl.arange(0, N)[None, :]
+    if GROUPED:  # the bits of (w, j, q, p) rearranged into those of (w, q, j, p)
+        j = (j & 64) | ((j & 6) << 3) | ((j >> 2) & 14) | (j & 1)
     bits = i & j
     bits = bits ^ (bits >> 4)
     bits = bits ^ (bits >> 2)
@@ -411,12 +415,24 @@ def _quantize_kernel(
 
 
 @triton.jit
-def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, width, ROWS: tl.constexpr):
+def _grouped(rotated, ROWS: tl.constexpr):
+    """[ROWS, 128] -> [ROWS, 8, 16]: the 16-groups of a dot's result with _rotation_matrix(signs, 128, GROUPED=True),
+    in output order. Why the detour: in the register layout of Hopper's MMA (a [64, 128] result, 8 warps: 2 along
+    the columns), each thread holds 2 adjacent columns of every 8 in its warp's 64, so in the natural order a group
+    is spread over 4 threads: its sums need shuffles and its per-group work (two divisions) runs 4 times. With the
+    matrix's columns permuted, accumulator column 64w + 8j + 2q + p (column half w, register pair j, lane q of a
+    quad, p) holds output column 16(4w + q) + 2j + p: every group lies in one thread, and this reshape and permute
+    rename registers without moving data. (Any layout gives the same numbers; this one is the fast one.)"""
+    return tl.reshape(tl.permute(tl.reshape(rotated, (ROWS, 2, 8, 4, 2)), (0, 1, 3, 2, 4)), (ROWS, 8, 16))
+
+
+@triton.jit
+def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, width, ROWS: tl.constexpr,
+                GROUPED: tl.constexpr):
     """MS-EDEN phase one of a rotated [ROWS, 128] tile (as eden.eden_groups) at (row0, col0) of an output [*, width]:
     stores the packed codes and the corrected scales (times tensor_scale), and returns the latter as int32 bits.
-    Splitting the dot's result into 16-groups is free (a reshape of its register layout), so the group reductions
-    are in-thread sums and shuffles."""
-    groups = tl.reshape(rotated, (ROWS, 8, 16))
+    GROUPED: rotated comes from a dot with the GROUPED rotation matrix."""
+    groups = _grouped(rotated, ROWS) if GROUPED else tl.reshape(rotated, (ROWS, 8, 16))
     largest = tl.max(tl.abs(groups), axis=2, keep_dims=True)
     scale = largest * _EDEN_INV_FP4_MAX
     flushed = scale < _MIN_NORMAL  # a group this small becomes zeros
@@ -451,7 +467,7 @@ def _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0,
 @triton.jit
 def _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale, codes_ptr,
                corrected_ptr, R, C, first, step, sub0, TRANSPOSED: tl.constexpr, TILES: tl.constexpr,
-               SUB: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr):
+               SUB: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr, GROUPED: tl.constexpr):
     """One program's jobs: the same part of tiles first, first + step, ...: rows sub0 ... sub0 + SUB - 1 rotated
     along C, or (TRANSPOSED) columns sub0 ... sub0 + SUB - 1, whose transpose [SUB, 128] is rotated along R. With
     STAGES > 1 the loads of the next tiles are issued while this one is processed. Returns the largest corrected
@@ -467,12 +483,12 @@ def _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
             values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0 + sub0, _TILE,
                                  SUB)
             corrected = _eden_store(_rotate(tl.trans(values), rotation, _TILE, DOT_FP32), tensor_scale, codes_ptr,
-                                    corrected_ptr, col0 + sub0, row0, R, SUB)
+                                    corrected_ptr, col0 + sub0, row0, R, SUB, GROUPED)
         else:
             values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0 + sub0, col0, SUB,
                                  _TILE)
             corrected = _eden_store(_rotate(values, rotation, _TILE, DOT_FP32), tensor_scale, codes_ptr,
-                                    corrected_ptr, row0 + sub0, col0, C, SUB)
+                                    corrected_ptr, row0 + sub0, col0, C, SUB, GROUPED)
         largest = tl.maximum(largest, corrected)
     return tl.max(tl.max(largest, axis=1), axis=0)
 
@@ -484,7 +500,8 @@ def _eden_kernel(
         signs_ptr,  # float32 [128]: the rotation's signs
         row_codes_ptr, row_corrected_ptr, row_amax_ptr,  # output [R, C], rotated along C (None: not computed)
         col_codes_ptr, col_corrected_ptr, col_amax_ptr,  # output [C, R], the transpose rotated along R
-        R, C, TILES_PER_PROGRAM: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr):
+        R, C, TILES_PER_PROGRAM: tl.constexpr, SUB: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr,
+        GROUPED: tl.constexpr):
     """MS-EDEN phase one (post hoc range alignment, eden.py): packed codes, FP32 corrected scales and
     (atomically) their maximum, for x rotated along its rows and/or for its transpose.
     From an NVFP4 input this is the backward's re-quantization of the saved X and W: dequantize, transpose, rotate
@@ -494,7 +511,7 @@ def _eden_kernel(
     column jobs ([128, SUB], transposed and rotated along R). Program p does job p % jobs_per_tile of every
     (num_programs / jobs_per_tile)-th tile, so the jobs of one tile run at the same time on neighbouring programs
     and the tile is read from memory once (then from the L2 cache). Each program builds the rotation once."""
-    rotation = _rotation_matrix(signs_ptr, _TILE)
+    rotation = _rotation_matrix(signs_ptr, _TILE, GROUPED)
     if not DOT_FP32:  # converted once: half the registers it holds across the loop
         rotation = rotation.to(tl.bfloat16)
     tensor_scale = 1.0 if x_ptr is not None else tl.load(in_tensor_scale_ptr)
@@ -508,15 +525,15 @@ def _eden_kernel(
         if part < slices:
             tl.atomic_max(row_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
                                                    tensor_scale, row_codes_ptr, row_corrected_ptr, R, C, first, step,
-                                                   sub0, False, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32))
+                                                   sub0, False, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32, GROUPED))
         else:
             tl.atomic_max(col_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
                                                    tensor_scale, col_codes_ptr, col_corrected_ptr, R, C, first, step,
-                                                   sub0, True, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32))
+                                                   sub0, True, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32, GROUPED))
     else:  # the re-quantization: column jobs only
         tl.atomic_max(col_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
                                                tensor_scale, col_codes_ptr, col_corrected_ptr, R, C, first, step, sub0,
-                                               True, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32))
+                                               True, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32, GROUPED))
 
 
 @triton.jit
@@ -634,6 +651,13 @@ def _dot_fp32(x):
     return INTERPRETED or x.dtype != torch.bfloat16
 
 
+def _grouped_order(dot_fp32):
+    """Whether MS-EDEN phase one rotates with the GROUPED matrix (_grouped): for the tensor-core dot of BF16, and
+    in the interpreter, which checks it. A GPU's FP32 dot runs on FMA units in a layout of its own, which the order
+    does not fit, and with it the largest corrected scale came out wrong on the H200 (a compiler fault, NOTES.md)."""
+    return INTERPRETED or not dot_fp32
+
+
 def draw_seed(device):
     """A Philox seed drawn on the device from torch's generator: no host synchronization, a fresh seed on every
     replay of a captured CUDA graph, and reproducible after torch.manual_seed."""
@@ -711,7 +735,7 @@ def eden_phase1(x, signs):
     _eden_kernel[(programs,)](
         x, *x.stride(), None, None, None, signs.to(device=x.device, dtype=torch.float32), *row_out, *col_out,
         rows, cols, TILES_PER_PROGRAM=per_program, SUB=EDEN_SUB, STAGES=EDEN_STAGES, DOT_FP32=_dot_fp32(x),
-        num_warps=EDEN_WARPS, maxnreg=EDEN_REGISTERS)
+        GROUPED=_grouped_order(_dot_fp32(x)), num_warps=EDEN_WARPS, maxnreg=EDEN_REGISTERS)
     return row_out, col_out
 
 
@@ -735,7 +759,7 @@ def eden_phase1_requantize(q, signs):
         None, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale,
         signs.to(device=q.codes.device, dtype=torch.float32), None, None, None, *out,
         rows, cols, TILES_PER_PROGRAM=per_program, SUB=EDEN_SUB, STAGES=1, DOT_FP32=INTERPRETED,
-        num_warps=EDEN_WARPS, maxnreg=EDEN_REGISTERS)
+        GROUPED=_grouped_order(INTERPRETED), num_warps=EDEN_WARPS, maxnreg=EDEN_REGISTERS)
     return out
 
 
