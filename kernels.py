@@ -256,6 +256,22 @@ def _groups_at(row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
+def _scaled_codes(codes_ptr, scales_ptr, row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr,
+                  TILE16: tl.constexpr):
+    """code * group_scale (exact in BF16) of the [ROWS, COLS] tile at (row0, col0) of an NVFP4 tensor [*, width]
+    with 1x16 groups, or with 16x16 ones (TILE16; row0 a multiple of 16)."""
+    packed = tl.load(codes_ptr + _codes_at(row0, col0, width, ROWS, COLS))
+    values = tl.reshape(_e2m1_value(_unpack(packed, ROWS, COLS)), (ROWS // 16, 16, COLS // 16, 16))
+    if TILE16:
+        scales = _e4m3_value(tl.load(scales_ptr + _groups_at(row0 // 16, col0, width, ROWS // 16, COLS)))
+        values = values * tl.reshape(scales, (ROWS // 16, 1, COLS // 16, 1))
+    else:
+        scales = _e4m3_value(tl.load(scales_ptr + _groups_at(row0, col0, width, ROWS, COLS)))
+        values = values * tl.reshape(scales, (ROWS // 16, 16, COLS // 16, 1))
+    return tl.reshape(values, (ROWS, COLS))
+
+
+@triton.jit
 def _rotation_matrix(signs_ptr, N: tl.constexpr, GROUPED: tl.constexpr = False):
     """diag(s) * H as an [N, N] matrix of +-1 (N a power of two, 16 to 128), generated in registers:
     H[i, j] = (-1)^popcount(i & j) (Sylvester). Only the sign bit of each entry of signs is used.
@@ -417,12 +433,12 @@ def _quantize_kernel(
 @triton.jit
 def _grouped(rotated, ROWS: tl.constexpr):
     """[ROWS, 128] -> [ROWS, 8, 16]: the 16-groups of a dot's result with _rotation_matrix(signs, 128, GROUPED=True),
-    in output order. Why the detour: in the register layout of Hopper's MMA (a [64, 128] result, 8 warps: 2 along
-    the columns), each thread holds 2 adjacent columns of every 8 in its warp's 64, so in the natural order a group
-    is spread over 4 threads: its sums need shuffles and its per-group work (two divisions) runs 4 times. With the
-    matrix's columns permuted, accumulator column 64w + 8j + 2q + p (column half w, register pair j, lane q of a
-    quad, p) holds output column 16(4w + q) + 2j + p: every group lies in one thread, and this reshape and permute
-    rename registers without moving data. (Any layout gives the same numbers; this one is the fast one.)"""
+    in output order. Why the detour: in the register layout of Hopper's MMA, the 4 lanes of a quad take turns
+    holding 2 adjacent columns of the result, so in the natural order a 16-group is spread over 4 threads: its sums
+    need shuffles and its per-group work (two divisions) runs 4 times. With the matrix's columns permuted,
+    accumulator column 64w + 8j + 2q + p (p within a lane's pair, q the lane in its quad, j the pair, w the half)
+    holds output column 16(4w + q) + 2j + p, so each group lies in one thread, and this reshape and permute rename
+    registers without moving data. (Any layout gives the same numbers; this one is the fast one.)"""
     return tl.reshape(tl.permute(tl.reshape(rotated, (ROWS, 2, 8, 4, 2)), (0, 1, 3, 2, 4)), (ROWS, 8, 16))
 
 
@@ -457,10 +473,7 @@ def _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0,
     if x_ptr is not None:
         values = _saturate(_load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS, COLS, False))
     else:
-        packed = tl.load(in_codes_ptr + _codes_at(row0, col0, C, ROWS, COLS))
-        group_scale = _e4m3_value(tl.load(in_scales_ptr + _groups_at(row0, col0, C, ROWS, COLS)))
-        values = tl.reshape(tl.reshape(_e2m1_value(_unpack(packed, ROWS, COLS)), (ROWS, COLS // 16, 16))
-                            * group_scale[:, :, None], (ROWS, COLS))
+        values = _scaled_codes(in_codes_ptr, in_scales_ptr, row0, col0, C, ROWS, COLS, False)
     return values
 
 
@@ -584,20 +597,12 @@ def _dequantize_kernel(codes_ptr, scales_ptr, tensor_scale_ptr, out_ptr, C, ROWS
     """out [R, C] <- code * group_scale (* tensor_scale), one [ROWS, 128] tile per program."""
     row0 = tl.program_id(0) * ROWS
     col0 = tl.program_id(1) * _TILE
-    packed = tl.load(codes_ptr + _codes_at(row0, col0, C, ROWS, _TILE))
-    values = tl.reshape(_e2m1_value(_unpack(packed, ROWS, _TILE)), (ROWS // 16, 16, 8, 16))
-    if TILE16:
-        scales = _e4m3_value(tl.load(scales_ptr + _groups_at(row0 // 16, col0, C, ROWS // 16, _TILE)))
-        values = values * tl.reshape(scales, (ROWS // 16, 1, 8, 1))
-    else:
-        scales = _e4m3_value(tl.load(scales_ptr + _groups_at(row0, col0, C, ROWS, _TILE)))
-        values = values * tl.reshape(scales, (ROWS // 16, 16, 8, 1))
+    values = _scaled_codes(codes_ptr, scales_ptr, row0, col0, C, ROWS, _TILE, TILE16)
     if TENSOR_SCALE:
         values = values * tl.load(tensor_scale_ptr)
     rows = row0 + tl.arange(0, ROWS)
     cols = col0 + tl.arange(0, _TILE)
-    values = tl.reshape(values, (ROWS, _TILE)).to(out_ptr.dtype.element_ty)
-    tl.store(out_ptr + rows[:, None] * C + cols[None, :], values)
+    tl.store(out_ptr + rows[:, None] * C + cols[None, :], values.to(out_ptr.dtype.element_ty))
 
 
 # -----------------------------------------------------------------------------
