@@ -50,11 +50,12 @@ from quantize import (E2M1_MAX, ERROR_UNITS, GROUP, MIN_NORMAL, MIN_TENSOR_SCALE
 # The Triton interpreter (CPU) gets BF16 dots wrong; there the rotation runs in FP32, exact for BF16 values.
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = HADAMARD  # columns per program: one Hadamard chunk, 8 groups of 16
-QUANTIZE_ROWS, QUANTIZE_WARPS = 32, 8  # rows per program of the RTN/SR quantizer; measured best (NOTES.md)
-# MS-EDEN phase one: jobs of 64 rows; 8 warps held to 128 registers a thread, so two programs share a multiprocessor;
-# the input of the next jobs loaded while one is processed (for a BF16 input: the NVFP4 one measured faster without).
+QUANTIZE_ROWS, QUANTIZE_WARPS = 16, 4  # rows per program of the RTN/SR quantizer; measured best (NOTES.md)
+ROTATED_AMAX_ROWS = 32  # the rotated amax pass measured 25% slower with 16 rows (NOTES.md); 16 if the rows need it
+# MS-EDEN phase one: jobs of 64 rows, 4 warps each (None: no register cap), two programs per multiprocessor; the
+# input of the next jobs loaded while one is processed (for a BF16 input: the NVFP4 one measured faster without).
 # Each measured fastest on the H200 (NOTES.md).
-EDEN_SUB, EDEN_WARPS, EDEN_REGISTERS, EDEN_PROGRAMS_PER_SM, EDEN_STAGES = 64, 8, 128, 2, 3
+EDEN_SUB, EDEN_WARPS, EDEN_REGISTERS, EDEN_PROGRAMS_PER_SM, EDEN_STAGES = 64, 4, None, 2, 3
 FINISH_GROUPS = 256  # 16-groups per program of MS-EDEN's second phase
 AMAX_BLOCK = 4096  # elements per program of the absolute-maximum pass
 DEQUANTIZE_ROWS = 16
@@ -677,8 +678,9 @@ def _amax(x, transpose=False, signs=None):
         _amax_kernel[(triton.cdiv(x.numel(), AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=AMAX_BLOCK)
         return amax
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
-    _rotated_amax_kernel[(rows // QUANTIZE_ROWS, cols // TILE)](
-        x, *x.stride(), signs, amax, ROWS=QUANTIZE_ROWS, N=signs.numel(), TRANSPOSE=transpose, DOT_FP32=_dot_fp32(x))
+    block = ROTATED_AMAX_ROWS if rows % ROTATED_AMAX_ROWS == 0 else QUANTIZE_ROWS
+    _rotated_amax_kernel[(rows // block, cols // TILE)](
+        x, *x.stride(), signs, amax, ROWS=block, N=signs.numel(), TRANSPOSE=transpose, DOT_FP32=_dot_fp32(x))
     return amax
 
 
@@ -698,7 +700,7 @@ def empty_scales(rows, cols, block, out_dtype, device):
 
 def triton_quantize(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2M1_MAX, transpose=False,
                     signs=None, seed=None, out_dtype=torch.bfloat16, scaled_codes=True):
-    """The kernel version of quantize_nvfp4 for x [R, C] (or x^T, rotated by signs if given): R a multiple of 32,
+    """The kernel version of quantize_nvfp4 for x [R, C] (or x^T, rotated by signs if given): R a multiple of 16,
     C of 128 (after transposing). Returns an NVFP4Tensor, with code * group_scale in out_dtype if scaled_codes."""
     check_matrix(x, QUANTIZE_ROWS, TILE, "triton_quantize", transpose)
     check_kernel_device(x, "triton_quantize")
@@ -914,7 +916,7 @@ def _(codes, group_scale, tensor_scale, block, dtype, with_tensor_scale):
 
 def quantize(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2M1_MAX, transpose=False, signs=None,
              out_dtype=None):
-    """NVFP4 quantization of x [R, C] along C (or of x^T along R, rotated by signs if given): R a multiple of 32 and
+    """NVFP4 quantization of x [R, C] along C (or of x^T along R, rotated by signs if given): R a multiple of 16 and
     C of 128 (after transposing). The result carries code * group_scale in out_dtype (default x's dtype)."""
     check_matrix(x, QUANTIZE_ROWS, TILE, "quantize", transpose)
     check_quantizer(rounding, block, fp4_max, default_fp8_max(four_over_six), four_over_six)
