@@ -660,7 +660,7 @@ def _dot_fp32(x):
 def _grouped_order(dot_fp32):
     """Whether MS-EDEN phase one rotates with the GROUPED matrix (_grouped): for the tensor-core dot of BF16, and
     in the interpreter, which checks it. A GPU's FP32 dot runs on FMA units in a layout of its own, which the order
-    does not fit, and with it the largest corrected scale came out wrong on the H200 (a compiler fault, NOTES.md)."""
+    does not fit, and with it the largest corrected scale came out wrong on the H200 (cause not found, NOTES.md)."""
     return INTERPRETED or not dot_fp32
 
 
