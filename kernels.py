@@ -360,7 +360,7 @@ def _quantize_branch(groups, group_amax, fp4_max, tensor_scale, noise, STOCHASTI
     """One quantization of groups [ROWS/16, 16, 8, 16] (as quantize._quantize_groups): E2M1 magnitudes, E4M3 scales
     [.., 1] and four-over-six's error per group: group_scale^2 * sum(units^2) in FP64 (exact), the units in
     integers, so that the sum is the same in any order."""
-    scale = _e4m3_round(tl.math.div_rn(tl.math.div_rn(group_amax, fp4_max), tensor_scale))
+    scale = _e4m3_round(group_amax * tl.math.div_rn(1.0, fp4_max * tensor_scale))  # one division per program
     scale = tl.where(scale == 0, 1.0, scale)
     scaled = groups * tl.math.div_rn(1.0, scale * tensor_scale)
     magnitude = _e2m1_round(scaled, noise, STOCHASTIC)

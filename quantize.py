@@ -27,11 +27,12 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
    largest group scale allowed):
 
        tensor_scale = amax(|x|) / (fp8_max * fp4_max)                  (1 if x is all zero: section 6)
-       group_scale  = E4M3_round(group_amax / fp4_max / tensor_scale)   (1 if that rounds to 0)
+       group_scale  = E4M3_round(group_amax * (1 / (fp4_max * tensor_scale)))   (1 if that rounds to 0)
        code         = E2M1_round(x * (1 / (group_scale * tensor_scale)))  (saturating at +-6)
 
-   Every rounding here is to nearest, ties to even. x is multiplied by the reciprocal of its scale, as GPU kernels
-   do, rather than divided by it (the two can differ in the last bit). Rounding the group scale can shrink it by up
+   Every rounding here is to nearest, ties to even. Scales are applied as reciprocals, multiplied rather than
+   divided by, as GPU kernels do (the two can differ in the last bit): a division costs a kernel ten instructions,
+   and 1 / (fp4_max * tensor_scale) is one number per tensor. Rounding the group scale can shrink it by up
    to a factor 16/17, which pushes the group maximum a little past fp4_max; with fp4_max = 6 it saturates at 6.
 
 4. Variants
@@ -278,7 +279,7 @@ def from_groups(groups, block):
 
 def _quantize_groups(groups, group_amax, fp4_max, tensor_scale, noise):
     """One RTN/SR pass: returns (E2M1 values, E4M3 group scales as float32, four-over-six's error per group)."""
-    group_scale = e4m3_round(group_amax / fp4_max / tensor_scale)
+    group_scale = e4m3_round(group_amax * (1 / (fp4_max * tensor_scale)))  # one reciprocal per tensor
     group_scale = torch.where(group_scale == 0, torch.ones_like(group_scale), group_scale)
     scaled = groups * (1 / (group_scale * tensor_scale))  # times the reciprocal, as kernels do
     values = e2m1_round(scaled, noise)
