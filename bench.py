@@ -9,7 +9,8 @@ Measurements. Every number in the README comes from one of these commands:
     python bench.py study    # train.py for recipes x seeds and the comparison table (GPU)
 
 Each prints a short table; --json PATH writes the same rows as JSON. GPU times are medians of CUDA-event timings
-(triton.testing.do_bench) after warm-up; ratios compare numbers measured in the same run. On GPUs without FP4
+after warm-up (triton.testing.do_bench; a training step: the median of --calls back-to-back micro-batches, with
+their spread); ratios compare numbers measured in the same run. On GPUs without FP4
 tensor cores (anything before Blackwell) the NVFP4 GEMMs are emulated in BF16, and the tables say so.
 
 Quantizer error is ||x - q(x)||^2 / ||x||^2 on an N(0,1) tensor. Unbiasedness shows as concentration: the mean of B
@@ -105,6 +106,18 @@ def _gpu():
 def median_ms(fn):
     import triton.testing
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
+
+
+def call_times_ms(fn, calls):
+    """ms of each of `calls` back-to-back calls of fn, timed by CUDA events between them: as in training, the next
+    call's host work overlaps the GPU's, and the caches are not flushed in between."""
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
+    events[0].record()
+    for event in events[1:]:
+        fn()
+        event.record()
+    torch.cuda.synchronize()
+    return sorted(start.elapsed_time(end) for start, end in zip(events, events[1:]))
 
 
 def copy_bandwidth(numel, device):
@@ -222,8 +235,8 @@ def bench_linear(args):
 
 def training_step(depth, recipe, args, device, accumulation):
     """One training step of a fresh model on random tokens, as train.py runs it: `accumulation` micro-batches of
-    forward + backward, then the optimizer (Muon + AdamW). Returns the median ms of one forward + backward and of
-    one optimizer step, and the peak memory (GB) of a whole step."""
+    forward + backward, then the optimizer (Muon + AdamW). Returns the ms of args.calls forward + backward passes
+    (sorted), the median ms of one optimizer step, and the peak memory (GB) of a whole step."""
     torch.manual_seed(0)
     model = GPT(depth, recipe, max_seq_len=args.seq_len).to(device)
     flags = train.parse_args([])  # train.py's default learning rates
@@ -253,11 +266,11 @@ def training_step(depth, recipe, args, device, accumulation):
     whole_step()
     torch.cuda.synchronize()
     peak_memory = torch.cuda.max_memory_allocated() / 1e9
-    forward_backward()  # gradients for the optimizer to use (their values do not change its time)
-    ms_forward_backward, ms_optimizer = median_ms(forward_backward), median_ms(optimizer_step)
+    times = call_times_ms(forward_backward, args.calls)  # also the gradients the optimizer steps with
+    ms_optimizer = median_ms(optimizer_step)
     if args.profile:
         profile(forward_backward, f"d{depth} {recipe}")
-    return ms_forward_backward, ms_optimizer, peak_memory
+    return times, ms_optimizer, peak_memory
 
 
 def profile(fn, name, steps=3):
@@ -281,15 +294,16 @@ def bench_train(args):
           f"BF16 autocast, {mode}")
     if args.profile:  # measured 2026-12-01: after a profile, the next recipes' steps ran up to 40% slower
         print("--profile: every recipe after the first runs after a profiler: its speed is not comparable")
-    print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'optim ms':>9}{'step ms':>9}{'tokens/s':>11}"
-          f"{'vs bf16':>8}{'peak GB':>8}")
+    print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'range ms':>14}{'optim ms':>9}{'step ms':>9}"
+          f"{'tokens/s':>11}{'vs bf16':>8}{'peak GB':>8}")
     rows = []
     for depth in args.depth:
         preset = train.PRESETS.get(f"d{depth}", train.PRESETS["d12"])
         accumulation = max(1, preset["batch_tokens"] // tokens)
         baseline = None  # BF16's tokens/s at this depth, when bf16 is among the recipes (it comes first by default)
         for recipe in args.recipes:
-            ms_fb, ms_opt, peak_memory = training_step(depth, recipe, args, device, accumulation)
+            times, ms_opt, peak_memory = training_step(depth, recipe, args, device, accumulation)
+            ms_fb = times[len(times) // 2]  # the median (the upper one of an even count)
             torch._dynamo.reset()
             torch.cuda.empty_cache()
             ms_step = accumulation * ms_fb + ms_opt
@@ -297,9 +311,10 @@ def bench_train(args):
             baseline = tokens_per_s if recipe == "bf16" else baseline
             ratio = tokens_per_s / baseline if baseline else None
             rows.append(dict(depth=depth, recipe=recipe, accumulation=accumulation, forward_backward_ms=ms_fb,
-                             optimizer_ms=ms_opt, step_ms=ms_step, tokens_per_s=tokens_per_s, vs_bf16=ratio,
-                             peak_memory_gb=peak_memory, compiled=args.compile, compile_mode=args.compile_mode))
-            print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{ms_opt:>9.1f}{ms_step:>9.1f}"
+                             forward_backward_all_ms=times, optimizer_ms=ms_opt, step_ms=ms_step,
+                             tokens_per_s=tokens_per_s, vs_bf16=ratio, peak_memory_gb=peak_memory, compiled=args.compile, compile_mode=args.compile_mode))
+            print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{f'{times[0]:.1f}-{times[-1]:.1f}':>14}"
+                  f"{ms_opt:>9.1f}{ms_step:>9.1f}"
                   f"{tokens_per_s:>11,.0f}{f'{ratio:.2f}x' if ratio else '-':>8}{peak_memory:>8.1f}", flush=True)
     return rows
 
@@ -478,6 +493,7 @@ def main(argv=None):
     training.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                           help="torch.compile the model (default), or --no-compile for eager")
     training.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
+    training.add_argument("--calls", type=int, default=20, help="forward + backward passes timed per recipe")
     training.add_argument("--profile", action="store_true",
                           help="also print a torch.profiler table per model (the profiler slows what runs after it: "
                                "take speed ratios from a run without it)")
@@ -502,6 +518,8 @@ def main(argv=None):
     for command in (quant, kernel, linear, training, grad, study):
         command.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     args = parser.parse_args(argv)
+    if args.command == "train" and args.calls < 1:
+        parser.error("--calls must be at least 1")
     if args.command in ("train", "linear") and args.compile_mode is None:
         args.compile_mode = train.COMPILE_MODE
     run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train, grad=bench_grad,

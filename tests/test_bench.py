@@ -77,3 +77,9 @@ def test_grad_takes_the_weights_of_a_train_py_checkpoint(small_data, tmp_path):
     assert [r["errors"] for r in trained] != [r["errors"] for r in initialized]  # other weights, other gradients
     with pytest.raises(SystemExit, match="another model size than --depth 4"):
         bench.main(grad[:4] + ["4"] + grad[5:] + ["--checkpoint", checkpoint])
+
+
+def test_train_needs_at_least_one_timed_call(capsys):
+    with pytest.raises(SystemExit):
+        bench.main(["train", "--calls", "0"])
+    assert "--calls must be at least 1" in capsys.readouterr().err
