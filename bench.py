@@ -23,6 +23,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 
@@ -118,6 +119,20 @@ def call_times_ms(fn, calls):
         event.record()
     torch.cuda.synchronize()
     return sorted(start.elapsed_time(end) for start, end in zip(events, events[1:]))
+
+
+def host_ms(fn, gpu_ms, calls=5):
+    """The host's own time for one call of fn: calls spaced by a sleep longer than the GPU needs for one (gpu_ms),
+    so that the GPU has caught up when each starts and (call + sleep) takes the host's time plus the sleep. A step
+    whose host time is near its GPU time is bound by the host: any delay there idles the GPU."""
+    pause = 1.25 * gpu_ms / 1e3
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+        time.sleep(pause)
+    torch.cuda.synchronize()
+    return 1e3 * ((time.perf_counter() - start) / calls - pause)
 
 
 def copy_bandwidth(numel, device):
@@ -236,7 +251,8 @@ def bench_linear(args):
 def training_step(depth, recipe, args, device, accumulation):
     """One training step of a fresh model on random tokens, as train.py runs it: `accumulation` micro-batches of
     forward + backward, then the optimizer (Muon + AdamW). Returns the ms of args.calls forward + backward passes
-    (sorted), the median ms of one optimizer step, and the peak memory (GB) of a whole step."""
+    (sorted), the host's ms for one of them (host_ms), the median ms of one optimizer step, and the peak memory (GB)
+    of a whole step."""
     torch.manual_seed(0)
     model = GPT(depth, recipe, max_seq_len=args.seq_len).to(device)
     flags = train.parse_args([])  # train.py's default learning rates
@@ -267,10 +283,11 @@ def training_step(depth, recipe, args, device, accumulation):
     torch.cuda.synchronize()
     peak_memory = torch.cuda.max_memory_allocated() / 1e9
     times = call_times_ms(forward_backward, args.calls)  # also the gradients the optimizer steps with
+    ms_host = host_ms(forward_backward, times[-1])
     ms_optimizer = median_ms(optimizer_step)
     if args.profile:
         profile(forward_backward, f"d{depth} {recipe}")
-    return times, ms_optimizer, peak_memory
+    return times, ms_host, ms_optimizer, peak_memory
 
 
 def profile(fn, name, steps=3):
@@ -294,7 +311,8 @@ def bench_train(args):
           f"BF16 autocast, {mode}")
     if args.profile:  # measured 2026-12-01: after a profile, the next recipes' steps ran up to 40% slower
         print("--profile: every recipe after the first runs after a profiler: its speed is not comparable")
-    print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'range ms':>14}{'optim ms':>9}{'step ms':>9}"
+    print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'range ms':>14}{'host ms':>8}{'optim ms':>9}"
+          f"{'step ms':>9}"
           f"{'tokens/s':>11}{'vs bf16':>8}{'peak GB':>8}")
     rows = []
     for depth in args.depth:
@@ -302,7 +320,7 @@ def bench_train(args):
         accumulation = max(1, preset["batch_tokens"] // tokens)
         baseline = None  # BF16's tokens/s at this depth, when bf16 is among the recipes (it comes first by default)
         for recipe in args.recipes:
-            times, ms_opt, peak_memory = training_step(depth, recipe, args, device, accumulation)
+            times, ms_host, ms_opt, peak_memory = training_step(depth, recipe, args, device, accumulation)
             ms_fb = times[len(times) // 2]  # the median (the upper one of an even count)
             torch._dynamo.reset()
             torch.cuda.empty_cache()
@@ -311,10 +329,10 @@ def bench_train(args):
             baseline = tokens_per_s if recipe == "bf16" else baseline
             ratio = tokens_per_s / baseline if baseline else None
             rows.append(dict(depth=depth, recipe=recipe, accumulation=accumulation, forward_backward_ms=ms_fb,
-                             forward_backward_all_ms=times, optimizer_ms=ms_opt, step_ms=ms_step,
+                             forward_backward_all_ms=times, host_ms=ms_host, optimizer_ms=ms_opt, step_ms=ms_step,
                              tokens_per_s=tokens_per_s, vs_bf16=ratio, peak_memory_gb=peak_memory, compiled=args.compile, compile_mode=args.compile_mode))
             print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{f'{times[0]:.1f}-{times[-1]:.1f}':>14}"
-                  f"{ms_opt:>9.1f}{ms_step:>9.1f}"
+                  f"{ms_host:>8.1f}{ms_opt:>9.1f}{ms_step:>9.1f}"
                   f"{tokens_per_s:>11,.0f}{f'{ratio:.2f}x' if ratio else '-':>8}{peak_memory:>8.1f}", flush=True)
     return rows
 

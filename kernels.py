@@ -54,8 +54,10 @@ QUANTIZE_ROWS, QUANTIZE_WARPS = 16, 4  # rows per program of the RTN/SR quantize
 ROTATED_AMAX_ROWS = 32  # the rotated amax pass measured 25% slower with 16 rows (NOTES.md); 16 if the rows need it
 # MS-EDEN phase one: jobs of 64 rows, 4 warps each (None: no register cap), two programs per multiprocessor; the
 # input of the next jobs loaded while one is processed (for a BF16 input: the NVFP4 one measured faster without).
-# Each measured fastest on the H200 (NOTES.md).
+# Each measured fastest on the H200 (NOTES.md). FP32 input (its dot runs on FMA units) spills 14 KB per thread
+# with 4 warps: 8 warps at 128 registers spill 2 KB and ran 6.4x faster (NOTES.md).
 EDEN_SUB, EDEN_WARPS, EDEN_REGISTERS, EDEN_PROGRAMS_PER_SM, EDEN_STAGES = 64, 4, None, 2, 3
+EDEN_FP32_WARPS, EDEN_FP32_REGISTERS = 8, 128
 FINISH_GROUPS = 256  # 16-groups per program of MS-EDEN's second phase
 AMAX_BLOCK = 4096  # elements per program of the absolute-maximum pass
 DEQUANTIZE_ROWS = 16
@@ -535,16 +537,12 @@ def _eden_kernel(
     first = tl.program_id(0) // jobs_per_tile
     step = tl.num_programs(0) // jobs_per_tile
     sub0 = (part % slices) * SUB
-    if row_codes_ptr is not None:  # jobs 0 ... slices - 1 of a tile are row jobs, the others column jobs
-        if part < slices:
-            tl.atomic_max(row_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
-                                                   tensor_scale, row_codes_ptr, row_corrected_ptr, R, C, first, step,
-                                                   sub0, False, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32, GROUPED))
-        else:
-            tl.atomic_max(col_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
-                                                   tensor_scale, col_codes_ptr, col_corrected_ptr, R, C, first, step,
-                                                   sub0, True, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32, GROUPED))
-    else:  # the re-quantization: column jobs only
+    # Jobs 0 ... slices - 1 of a tile are row jobs, the others column jobs (all of them, for the re-quantization).
+    if row_codes_ptr is not None and part < slices:
+        tl.atomic_max(row_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
+                                               tensor_scale, row_codes_ptr, row_corrected_ptr, R, C, first, step, sub0,
+                                               False, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32, GROUPED))
+    else:
         tl.atomic_max(col_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
                                                tensor_scale, col_codes_ptr, col_corrected_ptr, R, C, first, step, sub0,
                                                True, TILES_PER_PROGRAM, SUB, STAGES, DOT_FP32, GROUPED))
@@ -730,6 +728,19 @@ def _phase1_outputs(rows, cols, device):
             torch.zeros(1, dtype=torch.int32, device=device))
 
 
+def _launch_phase1(inputs, signs, rows, cols, row_out, col_out, stages, dot_fp32):
+    """_eden_kernel over an input [rows, cols]: inputs are its first six arguments (x and its strides, or the NVFP4
+    tensor's codes, scale bits and tensor scale); row_out None for the column jobs only."""
+    device = col_out[0].device
+    jobs_per_tile = (1 if row_out is None else 2) * TILE // EDEN_SUB
+    programs, per_program = _persistent_grid(rows, cols, jobs_per_tile, _multiprocessors(device))
+    warps, registers = (EDEN_FP32_WARPS, EDEN_FP32_REGISTERS) if dot_fp32 else (EDEN_WARPS, EDEN_REGISTERS)
+    _eden_kernel[(programs,)](
+        *inputs, signs.to(device=device, dtype=torch.float32), *(row_out or (None, None, None)), *col_out,
+        rows, cols, TILES_PER_PROGRAM=per_program, SUB=EDEN_SUB, STAGES=stages, DOT_FP32=dot_fp32,
+        GROUPED=_grouped_order(dot_fp32), num_warps=warps, maxnreg=registers)
+
+
 def eden_phase1(x, signs):
     """Phase one for x [R, C] rotated along C and for x^T [C, R] rotated along R, from one read of x. Returns two
     (packed codes, FP32 corrected scales, largest corrected scale as int32 bits)."""
@@ -738,11 +749,8 @@ def eden_phase1(x, signs):
     check_rotation(signs, (HADAMARD,), "MS-EDEN")
     rows, cols = x.shape
     row_out, col_out = _phase1_outputs(rows, cols, x.device), _phase1_outputs(cols, rows, x.device)
-    programs, per_program = _persistent_grid(rows, cols, 2 * TILE // EDEN_SUB, _multiprocessors(x.device))
-    _eden_kernel[(programs,)](
-        x, *x.stride(), None, None, None, signs.to(device=x.device, dtype=torch.float32), *row_out, *col_out,
-        rows, cols, TILES_PER_PROGRAM=per_program, SUB=EDEN_SUB, STAGES=EDEN_STAGES, DOT_FP32=_dot_fp32(x),
-        GROUPED=_grouped_order(_dot_fp32(x)), num_warps=EDEN_WARPS, maxnreg=EDEN_REGISTERS)
+    _launch_phase1((x, *x.stride(), None, None, None), signs, rows, cols, row_out, col_out, EDEN_STAGES,
+                   _dot_fp32(x))
     return row_out, col_out
 
 
@@ -755,18 +763,15 @@ def check_nvfp4(q, what, multiple):
 
 
 def eden_phase1_requantize(q, signs):
-    """Phase one for q.dequantize()^T, q a 1x16 NVFP4 tensor [R, C]: dequantize, transpose, rotate along R."""
+    """Phase one for q.dequantize()^T, q a 1x16 NVFP4 tensor [R, C]: dequantize, transpose, rotate along R. (Its
+    input, code * group_scale, is exact in BF16: the GPU rotates it on tensor cores whatever q's source was.)"""
     check_nvfp4(q, "requantize_ms_eden", TILE)
     check_kernel_device(q.codes, "requantize_ms_eden")
     check_rotation(signs, (HADAMARD,), "requantize_ms_eden")
     rows, cols = q.shape
     out = _phase1_outputs(cols, rows, q.codes.device)
-    programs, per_program = _persistent_grid(rows, cols, TILE // EDEN_SUB, _multiprocessors(q.codes.device))
-    _eden_kernel[(programs,)](
-        None, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale,
-        signs.to(device=q.codes.device, dtype=torch.float32), None, None, None, *out,
-        rows, cols, TILES_PER_PROGRAM=per_program, SUB=EDEN_SUB, STAGES=1, DOT_FP32=INTERPRETED,
-        GROUPED=_grouped_order(INTERPRETED), num_warps=EDEN_WARPS, maxnreg=EDEN_REGISTERS)
+    _launch_phase1((None, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale), signs, rows, cols, None,
+                   out, 1, INTERPRETED)
     return out
 
 
