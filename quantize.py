@@ -27,13 +27,14 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
    largest group scale allowed):
 
        tensor_scale = amax(|x|) / (fp8_max * fp4_max)                  (1 if x is all zero: section 6)
-       group_scale  = E4M3_round(group_amax * (1 / (fp4_max * tensor_scale)))   (1 if that rounds to 0)
-       code         = E2M1_round(x * (1 / (group_scale * tensor_scale)))  (saturating at +-6)
+       group_scale  = E4M3_round(group_amax * (1 / (fp4_max * tensor_scale)))  (1 if that rounds to 0)
+       code         = E2M1_round(x * (1 / (group_scale * tensor_scale)))           (saturating at +-6)
 
    Every rounding here is to nearest, ties to even. Scales are applied as reciprocals, multiplied rather than
-   divided by, as GPU kernels do (the two can differ in the last bit): a division costs a kernel ten instructions,
-   and 1 / (fp4_max * tensor_scale) is one number per tensor. Rounding the group scale can shrink it by up
-   to a factor 16/17, which pushes the group maximum a little past fp4_max; with fp4_max = 6 it saturates at 6.
+   divided by, as GPU kernels do (the two can differ in the last bit): a correctly rounded division is a sequence
+   of instructions on a GPU, a multiplication one, and 1 / (fp4_max * tensor_scale) is one number per tensor.
+   Rounding the group scale can shrink it by up to a factor 16/17, which pushes the group maximum a little past
+   fp4_max; with fp4_max = 6 it saturates at 6.
 
 4. Variants
    - Stochastic rounding (SR): round each x / (group_scale * tensor_scale) up or down to its two grid neighbours,
