@@ -10,8 +10,8 @@ Measurements. Every number in the README comes from one of these commands:
 
 Each prints a short table; --json PATH writes the same rows as JSON. GPU times are medians of CUDA-event timings
 after warm-up (triton.testing.do_bench; a training step: the median of --calls back-to-back micro-batches, with
-their spread); ratios compare numbers measured in the same run. On GPUs without FP4
-tensor cores (anything before Blackwell) the NVFP4 GEMMs are emulated in BF16, and the tables say so.
+their spread); ratios compare numbers measured in the same run. On GPUs without FP4 tensor cores (anything before
+Blackwell) the NVFP4 GEMMs are emulated in BF16, and the tables say so.
 
 Quantizer error is ||x - q(x)||^2 / ||x||^2 on an N(0,1) tensor. Unbiasedness shows as concentration: the mean of B
 independent quantizations of the same tensor has error variance/B + bias^2, so for an unbiased quantizer
@@ -312,8 +312,7 @@ def bench_train(args):
     if args.profile:  # measured 2026-12-01: after a profile, the next recipes' steps ran up to 40% slower
         print("--profile: every recipe after the first runs after a profiler: its speed is not comparable")
     print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'range ms':>14}{'host ms':>8}{'optim ms':>9}"
-          f"{'step ms':>9}"
-          f"{'tokens/s':>11}{'vs bf16':>8}{'peak GB':>8}")
+          f"{'step ms':>9}{'tokens/s':>11}{'vs bf16':>8}{'peak GB':>8}")
     rows = []
     for depth in args.depth:
         preset = train.PRESETS.get(f"d{depth}", train.PRESETS["d12"])
@@ -330,10 +329,10 @@ def bench_train(args):
             ratio = tokens_per_s / baseline if baseline else None
             rows.append(dict(depth=depth, recipe=recipe, accumulation=accumulation, forward_backward_ms=ms_fb,
                              forward_backward_all_ms=times, host_ms=ms_host, optimizer_ms=ms_opt, step_ms=ms_step,
-                             tokens_per_s=tokens_per_s, vs_bf16=ratio, peak_memory_gb=peak_memory, compiled=args.compile, compile_mode=args.compile_mode))
+                             tokens_per_s=tokens_per_s, vs_bf16=ratio, peak_memory_gb=peak_memory,
+                             compiled=args.compile, compile_mode=args.compile_mode))
             print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{f'{times[0]:.1f}-{times[-1]:.1f}':>14}"
-                  f"{ms_host:>8.1f}{ms_opt:>9.1f}{ms_step:>9.1f}"
-                  f"{tokens_per_s:>11,.0f}{f'{ratio:.2f}x' if ratio else '-':>8}{peak_memory:>8.1f}", flush=True)
+                  f"{ms_host:>8.1f}{ms_opt:>9.1f}{ms_step:>9.1f}{tokens_per_s:>11,.0f}{f'{ratio:.2f}x' if ratio else '-':>8}{peak_memory:>8.1f}", flush=True)
     return rows
 
 
