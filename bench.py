@@ -332,7 +332,8 @@ def bench_train(args):
                              tokens_per_s=tokens_per_s, vs_bf16=ratio, peak_memory_gb=peak_memory,
                              compiled=args.compile, compile_mode=args.compile_mode))
             print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{f'{times[0]:.1f}-{times[-1]:.1f}':>14}"
-                  f"{ms_host:>8.1f}{ms_opt:>9.1f}{ms_step:>9.1f}{tokens_per_s:>11,.0f}{f'{ratio:.2f}x' if ratio else '-':>8}{peak_memory:>8.1f}", flush=True)
+                  f"{ms_host:>8.1f}{ms_opt:>9.1f}{ms_step:>9.1f}{tokens_per_s:>11,.0f}"
+                  f"{f'{ratio:.2f}x' if ratio else '-':>8}{peak_memory:>8.1f}", flush=True)
     return rows
 
 
