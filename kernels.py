@@ -16,11 +16,12 @@ Exactness. Each kernel performs the reference's floating-point operations in the
 div_rn, E2M1/E4M3 rounding with integer bit arithmetic or a magic addition, exact for every float32; four-over-six's
 errors in integers, whose sums do not depend on their order), so codes and scales are bit-identical to the
 reference. The exceptions: a rotation sums +-x on tensor cores, in their own FP32 order, and scales once (the
-reference multiplies by +-1/sqrt(n)), and MS-EDEN's two sums per group run in the compiler's order, so a value can
-land on the other side of a rounding boundary (at most 1 code in 2000 in the tests) and a corrected scale can differ
-in its last bits (at most 1e-5, tested); the re-quantization applies the saved tensor scale to the corrected scales
-instead of to the values (bounded the same way); and the random bits come from Philox here and from torch's
-generator there, so random outputs are compared by their statistics.
+reference multiplies by +-1/sqrt(n); MS-EDEN's phase one folds the factor into its group scales instead), and
+MS-EDEN's two sums per group run in the compiler's order, so a value can land on the other side of a rounding
+boundary (at most 1 code in 2000 in the tests) and a corrected scale can differ in its last bits (at most 1e-5,
+tested); the re-quantization applies the saved tensor scale to the corrected scales instead of to the values
+(bounded the same way); and the random bits come from Philox here and from torch's generator there, so random
+outputs are compared by their statistics.
 
 Operators. quantize, ms_eden_pair, requantize_ms_eden and dequantize, what model.py calls, are PyTorch operators
 (torch.library): plain tensors in and out (codes, group scales, tensor scale, code * group_scale), the kernels on
@@ -52,12 +53,15 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 TILE = HADAMARD  # columns per program: one Hadamard chunk, 8 groups of 16
 QUANTIZE_ROWS, QUANTIZE_WARPS = 16, 4  # rows per program of the RTN/SR quantizer; measured best (NOTES.md)
 ROTATED_AMAX_ROWS = 32  # the rotated amax pass measured 25% slower with 16 rows (NOTES.md); 16 if the rows need it
-# MS-EDEN phase one: jobs of 64 rows, 4 warps each (None: no register cap), two programs per multiprocessor; the
-# input of the next jobs loaded while one is processed (for a BF16 input: the NVFP4 one measured faster without).
-# Each measured fastest on the H200 (NOTES.md). FP32 input (its dot runs on FMA units) spills 14 KB per thread
-# with 4 warps: 8 warps at 128 registers spill 2 KB and ran 6.4x faster (NOTES.md).
-EDEN_SUB, EDEN_WARPS, EDEN_REGISTERS, EDEN_PROGRAMS_PER_SM, EDEN_STAGES = 64, 4, None, 2, 3
-EDEN_FP32_WARPS, EDEN_FP32_REGISTERS = 8, 128
+# MS-EDEN phase one works in jobs of EDEN_SUB = 64 rows. Its launch per input, each measured fastest on the H200
+# (NOTES.md): (warps, register cap or None, programs per multiprocessor, stages: the input of the next jobs loaded
+# while one is processed). What fits decides: a multiprocessor has 64K registers and 227 KB of shared memory, and
+# a BF16 program holds the rotation (32 KB) and 16 KB per stage, so 2 stages let three programs share one. The
+# re-quantization (NVFP4 input, no stages) needs 237 registers, so three fit only under a cap of 168 (a 40-byte
+# spill). FP32 input (its dot runs on FMA units) spills 14 KB per thread with 4 warps: 8 warps at 128 registers
+# spill 2 KB and ran 6.4x faster.
+EDEN_SUB = 64
+EDEN_LAUNCH = {"bf16": (4, None, 3, 2), "nvfp4": (4, 168, 3, 1), "fp32": (8, 128, 2, 3)}
 FINISH_GROUPS = 256  # 16-groups per program of MS-EDEN's second phase
 AMAX_BLOCK = 4096  # elements per program of the absolute-maximum pass
 DEQUANTIZE_ROWS = 16
@@ -66,7 +70,7 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # Constants the kernels read (a Triton kernel reads only globals marked constexpr).
 _TILE = tl.constexpr(TILE)
 _EDEN_FP4_MAX = tl.constexpr(EDEN_FP4_MAX)
-_EDEN_INV_FP4_MAX = tl.constexpr(1 / EDEN_FP4_MAX)
+_EDEN_SCALE_PER_SUM = tl.constexpr(1 / (EDEN_FP4_MAX * math.sqrt(HADAMARD)))  # a group scale per unnormalized sum
 _EDEN_FP8_MAX = tl.constexpr(EDEN_FP8_MAX)
 _MIN_NORMAL = tl.constexpr(MIN_NORMAL)
 _MIN_TENSOR_SCALE = tl.constexpr(MIN_TENSOR_SCALE)
@@ -295,25 +299,29 @@ def _rotation_matrix(signs_ptr, N: tl.constexpr, GROUPED: tl.constexpr = False):
 @triton.jit
 def _saturate(tile):
     """Finite values beyond +-ROTATION_LIMIT saturate there (as eden.rht), so that a rotation cannot overflow. The
-    elementwise work runs only for a tile that holds such a value (or Inf or NaN, which stay): almost never."""
-    if tl.max(tl.max(tl.abs(tile), axis=1), axis=0) > _ROTATION_LIMIT:
+    elementwise work runs only for a tile that holds such a value (or Inf or NaN, which stay): almost never. The
+    test is one maximum over the whole tile (each thread's values, then across threads): a maximum over rows, then
+    over columns, took twice the instructions."""
+    if tl.max(tl.abs(tile)) > _ROTATION_LIMIT:
         saturated = tl.minimum(tl.maximum(tile, -_ROTATION_LIMIT), _ROTATION_LIMIT)
         tile = tl.where((tl.abs(tile) == float("inf")) | (tile != tile), tile, saturated).to(tile.dtype)
     return tile
 
 
 @triton.jit
-def _rotate(tile, rotation, N: tl.constexpr, DOT_FP32: tl.constexpr):
+def _rotate(tile, rotation, N: tl.constexpr, DOT_FP32: tl.constexpr, NORMALIZE: tl.constexpr = True):
     """rht(tile) for tile [rows, 128] (saturated) and rotation = _rotation_matrix(signs, N): each N-chunk of a row
     times the [N, N] matrix (the tile seen as [rows * 128 / N, N]); the sum of +-x runs on tensor cores in FP32
-    (exact products), then one multiplication by 1/sqrt(N), as eden.rht computes it."""
+    (exact products), then one multiplication by 1/sqrt(N), as eden.rht computes it. Without NORMALIZE: the sums
+    themselves, sqrt(N) * rht(tile) (for MS-EDEN, whose codes do not depend on a common factor)."""
     ROWS: tl.constexpr = tile.shape[0]
     chunks = tl.reshape(tile, (ROWS * _TILE // N, N))
     if DOT_FP32:  # FP32 operands: no TF32 truncation
         rotated = tl.dot(chunks.to(tl.float32), rotation, input_precision="ieee")
     else:  # BF16 input: exact in BF16
         rotated = tl.dot(chunks.to(tl.bfloat16), rotation.to(tl.bfloat16))
-    return tl.reshape(rotated, (ROWS, _TILE)) * (1 / math.sqrt(N))
+    rotated = tl.reshape(rotated, (ROWS, _TILE))
+    return rotated * (1 / math.sqrt(N)) if NORMALIZE else rotated
 
 
 @triton.jit
@@ -446,14 +454,16 @@ def _grouped(rotated, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _eden_store(rotated, tensor_scale, codes_ptr, corrected_ptr, row0, col0, width, ROWS: tl.constexpr,
+def _eden_store(sums, tensor_scale, codes_ptr, corrected_ptr, row0, col0, width, ROWS: tl.constexpr,
                 GROUPED: tl.constexpr):
-    """MS-EDEN phase one of a rotated [ROWS, 128] tile (as eden.eden_groups) at (row0, col0) of an output [*, width]:
-    stores the packed codes and the corrected scales (times tensor_scale), and returns the latter as int32 bits.
-    GROUPED: rotated comes from a dot with the GROUPED rotation matrix."""
-    groups = _grouped(rotated, ROWS) if GROUPED else tl.reshape(rotated, (ROWS, 8, 16))
+    """MS-EDEN phase one (as eden.eden_groups) of a [ROWS, 128] tile at (row0, col0) of an output [*, width], from
+    its rotation's unnormalized sums (sqrt(128) * rht: the codes and the correction do not depend on a common
+    factor, so the 1/sqrt(128) is folded into each group's scale, one multiplication per group instead of one per
+    element): stores the packed codes and the corrected scales (times tensor_scale), and returns the latter as
+    int32 bits. GROUPED: the sums come from a dot with the GROUPED rotation matrix."""
+    groups = _grouped(sums, ROWS) if GROUPED else tl.reshape(sums, (ROWS, 8, 16))
     largest = tl.max(tl.abs(groups), axis=2, keep_dims=True)
-    scale = largest * _EDEN_INV_FP4_MAX
+    scale = largest * _EDEN_SCALE_PER_SUM
     flushed = scale < _MIN_NORMAL  # a group this small becomes zeros
     scale = tl.where(flushed, 0.0, scale)
     scaled = groups * tl.where(flushed, 1.0, tl.math.div_rn(_EDEN_FP4_MAX, largest))  # |scaled| <= 6.07
@@ -498,13 +508,13 @@ def _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
         if TRANSPOSED:
             values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0 + sub0, _TILE,
                                  SUB)
-            corrected = _eden_store(_rotate(tl.trans(values), rotation, _TILE, DOT_FP32), tensor_scale, codes_ptr,
-                                    corrected_ptr, col0 + sub0, row0, R, SUB, GROUPED)
+            sums = _rotate(tl.trans(values), rotation, _TILE, DOT_FP32, False)
+            corrected = _eden_store(sums, tensor_scale, codes_ptr, corrected_ptr, col0 + sub0, row0, R, SUB, GROUPED)
         else:
             values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0 + sub0, col0, SUB,
                                  _TILE)
-            corrected = _eden_store(_rotate(values, rotation, _TILE, DOT_FP32), tensor_scale, codes_ptr,
-                                    corrected_ptr, row0 + sub0, col0, C, SUB, GROUPED)
+            sums = _rotate(values, rotation, _TILE, DOT_FP32, False)
+            corrected = _eden_store(sums, tensor_scale, codes_ptr, corrected_ptr, row0 + sub0, col0, C, SUB, GROUPED)
         largest = tl.maximum(largest, corrected)
     return tl.max(tl.max(largest, axis=1), axis=0)
 
@@ -642,11 +652,11 @@ def _multiprocessors(device):
     return torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 5
 
 
-def _persistent_grid(rows, cols, jobs_per_tile, multiprocessors):
-    """(programs, tiles per program) of MS-EDEN phase one over [rows, cols]: EDEN_PROGRAMS_PER_SM per multiprocessor,
-    a multiple of jobs_per_tile, each doing one job of every (programs / jobs_per_tile)-th tile."""
+def _persistent_grid(rows, cols, jobs_per_tile, programs_per_multiprocessor, multiprocessors):
+    """(programs, tiles per program) of MS-EDEN phase one over [rows, cols]: as many programs as the multiprocessors
+    hold at once, a multiple of jobs_per_tile, each doing one job of every (programs / jobs_per_tile)-th tile."""
     tiles = rows * cols // TILE**2
-    per_job = min(tiles, max(1, EDEN_PROGRAMS_PER_SM * multiprocessors // jobs_per_tile))
+    per_job = min(tiles, max(1, programs_per_multiprocessor * multiprocessors // jobs_per_tile))
     return per_job * jobs_per_tile, triton.cdiv(tiles, per_job)
 
 
@@ -728,13 +738,15 @@ def _phase1_outputs(rows, cols, device):
             torch.zeros(1, dtype=torch.int32, device=device))
 
 
-def _launch_phase1(inputs, signs, rows, cols, row_out, col_out, stages, dot_fp32):
+def _launch_phase1(inputs, signs, rows, cols, row_out, col_out, launch, dot_fp32):
     """_eden_kernel over an input [rows, cols]: inputs are its first six arguments (x and its strides, or the NVFP4
-    tensor's codes, scale bits and tensor scale); row_out None for the column jobs only."""
+    tensor's codes, scale bits and tensor scale); row_out None for the column jobs only; launch a key of
+    EDEN_LAUNCH."""
     device = col_out[0].device
+    warps, registers, programs_per_multiprocessor, stages = EDEN_LAUNCH[launch]
     jobs_per_tile = (1 if row_out is None else 2) * TILE // EDEN_SUB
-    programs, per_program = _persistent_grid(rows, cols, jobs_per_tile, _multiprocessors(device))
-    warps, registers = (EDEN_FP32_WARPS, EDEN_FP32_REGISTERS) if dot_fp32 else (EDEN_WARPS, EDEN_REGISTERS)
+    programs, per_program = _persistent_grid(rows, cols, jobs_per_tile, programs_per_multiprocessor,
+                                             _multiprocessors(device))
     _eden_kernel[(programs,)](
         *inputs, signs.to(device=device, dtype=torch.float32), *(row_out or (None, None, None)), *col_out,
         rows, cols, TILES_PER_PROGRAM=per_program, SUB=EDEN_SUB, STAGES=stages, DOT_FP32=dot_fp32,
@@ -749,8 +761,9 @@ def eden_phase1(x, signs):
     check_rotation(signs, (HADAMARD,), "MS-EDEN")
     rows, cols = x.shape
     row_out, col_out = _phase1_outputs(rows, cols, x.device), _phase1_outputs(cols, rows, x.device)
-    _launch_phase1((x, *x.stride(), None, None, None), signs, rows, cols, row_out, col_out, EDEN_STAGES,
-                   _dot_fp32(x))
+    dot_fp32 = _dot_fp32(x)
+    _launch_phase1((x, *x.stride(), None, None, None), signs, rows, cols, row_out, col_out,
+                   "fp32" if dot_fp32 else "bf16", dot_fp32)
     return row_out, col_out
 
 
@@ -771,7 +784,7 @@ def eden_phase1_requantize(q, signs):
     rows, cols = q.shape
     out = _phase1_outputs(cols, rows, q.codes.device)
     _launch_phase1((None, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale), signs, rows, cols, None,
-                   out, 1, INTERPRETED)
+                   out, "nvfp4", INTERPRETED)
     return out
 
 

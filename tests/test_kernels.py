@@ -4,6 +4,8 @@ Without a GPU the kernels run in Triton's interpreter at small shapes (tile boun
 with one they run on it, at these shapes and at large ones. References always run on the CPU, whose float
 arithmetic is plain IEEE."""
 
+import itertools
+
 import pytest
 import torch
 import triton
@@ -199,10 +201,10 @@ def test_rotated_transposed_kernels(shape):  # the NVIDIA recipe's dW operands: 
 # --- MS-EDEN ---------------------------------------------------------------------------------------------------------
 
 def assert_phase1_matches(kernel_out, rotated):
-    """Phase one against eden_groups on the reference rotation. The kernel rotates with +-1 and scales once; the
-    reference multiplies by +-1/sqrt(128): the rotated values differ in the last bits, which can move a value across
-    a rounding boundary of the grid. Bound: at most 1 code in 2000 differs, by one grid step, and where the codes
-    agree the corrected scales agree to 1e-5."""
+    """Phase one against eden_groups on the reference rotation. The kernel sums +-x in its own order and folds the
+    1/sqrt(128) into the group scales; the reference multiplies by +-1/sqrt(128): the values differ in the last bits,
+    which can move a value across a rounding boundary of the grid. Bound: at most 1 code in 2000 differs, by one grid
+    step, and where the codes agree the corrected scales agree to 1e-5."""
     codes, corrected, amax = (t.cpu() for t in kernel_out)
     values, reference_corrected = eden_groups(rotated)
     ours = decode_e2m1(unpack_codes(codes)).view_as(values)
@@ -238,14 +240,14 @@ def test_requantize_phase1_matches_reference(shape):
 def test_eden_phase1_grid_covers_every_job(multiprocessors):
     # Program p does job p % J of tiles p // J, p // J + P / J, ... (clamped to the last tile), as _eden_jobs
     # walks them: every (tile, job) must be done, for any tile count and GPU size.
-    for tiles in (1, 3, 7, 64, 263, 4096):
-        for jobs_per_tile in (2, 4, 8):
-            programs, per_program = kernels._persistent_grid(tiles * 128, 128, jobs_per_tile, multiprocessors)
-            assert programs % jobs_per_tile == 0
-            step = programs // jobs_per_tile
-            done = {(min(p // jobs_per_tile + i * step, tiles - 1), p % jobs_per_tile)
-                    for p in range(programs) for i in range(per_program)}
-            assert done == {(t, j) for t in range(tiles) for j in range(jobs_per_tile)}
+    for tiles, jobs_per_tile, per_multiprocessor in itertools.product((1, 3, 7, 64, 263, 4096), (2, 4, 8), (2, 3)):
+        programs, per_program = kernels._persistent_grid(tiles * 128, 128, jobs_per_tile, per_multiprocessor,
+                                                         multiprocessors)
+        assert programs % jobs_per_tile == 0
+        step = programs // jobs_per_tile
+        done = {(min(p // jobs_per_tile + i * step, tiles - 1), p % jobs_per_tile)
+                for p in range(programs) for i in range(per_program)}
+        assert done == {(t, j) for t in range(tiles) for j in range(jobs_per_tile)}
 
 
 @pytest.mark.parametrize("sub", [32, 128])
