@@ -646,6 +646,12 @@ def check_rotation(signs, sizes, what):
 ROTATIONS = (16, 32, 128)  # rotation widths of the quantizer: NVIDIA's 16, TetraJet-v2's 32, MS-EDEN's 128
 
 
+def _ceil_div(a, b):
+    """ceil(a / b) for positive integers. (triton.cdiv is a Triton function: called from Python it costs ~10 us of
+    host time per call, and the host bounds the small layers' speed.)"""
+    return -(-a // b)
+
+
 def _multiprocessors(device):
     """The GPU's multiprocessors; the interpreter pretends to have 5, so that the tests run phase one's loop over
     tiles and its end (the last tile done twice)."""
@@ -657,7 +663,7 @@ def _persistent_grid(rows, cols, jobs_per_tile, programs_per_multiprocessor, mul
     hold at once, a multiple of jobs_per_tile, each doing one job of every (programs / jobs_per_tile)-th tile."""
     tiles = rows * cols // TILE**2
     per_job = min(tiles, max(1, programs_per_multiprocessor * multiprocessors // jobs_per_tile))
-    return per_job * jobs_per_tile, triton.cdiv(tiles, per_job)
+    return per_job * jobs_per_tile, _ceil_div(tiles, per_job)
 
 
 def _dot_fp32(x):
@@ -683,7 +689,7 @@ def _amax(x, transpose=False, signs=None):
     amax = torch.zeros(1, dtype=torch.int32, device=x.device)
     if signs is None:  # without rotation, x^T has the maximum of x
         x = x.contiguous()
-        _amax_kernel[(triton.cdiv(x.numel(), AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=AMAX_BLOCK)
+        _amax_kernel[(_ceil_div(x.numel(), AMAX_BLOCK),)](x, amax, x.numel(), BLOCK=AMAX_BLOCK)
         return amax
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
     block = ROTATED_AMAX_ROWS if rows % ROTATED_AMAX_ROWS == 0 else QUANTIZE_ROWS
@@ -800,7 +806,7 @@ def eden_phase2(first, second=None, seed=None, out_dtype=torch.bfloat16, scaled_
         scaled = scaled if scaled_codes else None
         results.append(NVFP4Tensor(codes, scales, tensor_scale, torch.Size((rows, cols)), "1x16", scaled))
         arguments.append((corrected, amax, codes, scales.view(torch.uint8), scaled, tensor_scale, corrected.numel()))
-    blocks = sum(triton.cdiv(a[-1], FINISH_GROUPS) for a in arguments)
+    blocks = sum(_ceil_div(a[-1], FINISH_GROUPS) for a in arguments)
     if second is None:
         arguments.append(arguments[0][:-1] + (0,))  # an empty second tensor
     _eden_finish_kernel[(blocks,)](seed, *arguments[0], *arguments[1], GROUPS=FINISH_GROUPS)
