@@ -56,8 +56,10 @@ from model import GPT, GPT2_VOCAB, RECIPES, check_tokens, make_optimizers, recip
 DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 EOT = 50256
-# torch.compile's mode, the same for every recipe: "reduce-overhead" (CUDA graphs) failed with gradient accumulation
-# on the H200 (NOTES.md), so the default mode it is.
+# torch.compile's mode, the same for every recipe. "reduce-overhead" (CUDA graphs, which remove the host's launch
+# work: a quantized d12 step keeps the host as busy as the GPU) runs, without cudagraph trees (compile_model), but
+# held 35.7 GB at Quartet II's d12 against 23.4 in the default mode, and ran out of the H200's 140 GB at d20
+# (NOTES.md): the default mode it is.
 COMPILE_MODE = "default"
 # Presets: a flat set of defaults per size; any flag given on the command line wins.
 PRESETS = {
@@ -262,7 +264,14 @@ def lr_multiplier(step, steps, warmup, warmdown):
 
 
 def compile_model(model, mode=COMPILE_MODE):
-    """torch.compile the whole model as one graph: fullgraph, so that a graph break is an error, not a slowdown."""
+    """torch.compile the whole model as one graph: fullgraph, so that a graph break is an error, not a slowdown.
+    mode "reduce-overhead" replays CUDA graphs, each graph with its own memory: with PyTorch's default cudagraph
+    trees (one memory pool shared by the forward and backward graphs) the first backward failed, "accessing tensor
+    output of CUDAGraphs that has been overwritten by a subsequent run", for BF16 too (H200, NOTES.md). A graph's
+    outputs are then overwritten by its next replay: use each forward's loss before the next forward."""
+    if mode == "reduce-overhead":
+        options = {"triton.cudagraphs": True, "triton.cudagraph_trees": False}
+        return torch.compile(model, fullgraph=True, dynamic=False, options=options)
     return torch.compile(model, fullgraph=True, dynamic=False, mode=mode)
 
 

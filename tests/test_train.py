@@ -103,6 +103,19 @@ def test_streaming_through_datasets_on_a_local_file(tmp_path):
 
 # --- runs ------------------------------------------------------------------------------------------------------------
 
+def test_cuda_graph_mode_compiles_without_cudagraph_trees(monkeypatch):
+    # Cudagraph trees failed in the first backward on the H200 (train.compile_model); the CUDA-graph mode must not
+    # fall back to them, and the other modes pass through.
+    calls = []
+    monkeypatch.setattr(torch, "compile", lambda model, **options: calls.append(options) or model)
+    model = torch.nn.Linear(128, 128)
+    assert train.compile_model(model, "reduce-overhead") is model
+    assert calls[-1]["options"] == {"triton.cudagraphs": True, "triton.cudagraph_trees": False}
+    assert "mode" not in calls[-1] and calls[-1]["fullgraph"]
+    train.compile_model(model)
+    assert calls[-1]["mode"] == train.COMPILE_MODE and "options" not in calls[-1]
+
+
 def test_tiny_run_writes_metrics_summary_and_plot(small_data, tmp_path):
     assert run(tiny_args(small_data, tmp_path, "--steps", "5", "--recipe", "bf16,quartet2")) is None
     records = train.read_metrics(tmp_path)
