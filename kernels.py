@@ -505,17 +505,17 @@ def _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
         tile = tl.minimum(first + i * step, last)  # past the end: the last tile again (the same values)
         row0 = (tile // tile_cols) * _TILE
         col0 = (tile % tile_cols) * _TILE
-        if TRANSPOSED:
-            values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0, col0 + sub0, _TILE,
-                                 SUB)
-            sums = _rotate(tl.trans(values), rotation, _TILE, DOT_FP32, False)
-            corrected = _eden_store(sums, tensor_scale, codes_ptr, corrected_ptr, col0 + sub0, row0, R, SUB, GROUPED)
+        if TRANSPOSED:  # columns col0 + sub0 ... of x: rows of the output [C, R]
+            values = tl.trans(_eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0,
+                                          col0 + sub0, _TILE, SUB))
+            out_row, out_col, width = col0 + sub0, row0, R
         else:
             values = _eden_input(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, row0 + sub0, col0, SUB,
                                  _TILE)
-            sums = _rotate(values, rotation, _TILE, DOT_FP32, False)
-            corrected = _eden_store(sums, tensor_scale, codes_ptr, corrected_ptr, row0 + sub0, col0, C, SUB, GROUPED)
-        largest = tl.maximum(largest, corrected)
+            out_row, out_col, width = row0 + sub0, col0, C
+        sums = _rotate(values, rotation, _TILE, DOT_FP32, False)
+        largest = tl.maximum(largest, _eden_store(sums, tensor_scale, codes_ptr, corrected_ptr, out_row, out_col,
+                                                  width, SUB, GROUPED))
     return tl.max(tl.max(largest, axis=1), axis=0)
 
 
