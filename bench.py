@@ -274,9 +274,11 @@ def training_step(depth, recipe, args, device, accumulation):
         for _ in range(accumulation):
             forward_backward()
         optimizer_step()
-        model.zero_grad(set_to_none=True)
+        model.zero_grad(set_to_none=not args.cuda_graph)  # a captured backward adds into the same gradient tensors
 
     whole_step()  # compiles, warms up
+    if args.cuda_graph:
+        forward_backward = captured(forward_backward)  # whole_step now replays it too
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     whole_step()
@@ -288,6 +290,24 @@ def training_step(depth, recipe, args, device, accumulation):
     if args.profile:
         profile(forward_backward, f"d{depth} {recipe}")
     return times, ms_host, ms_optimizer, peak_memory
+
+
+def captured(fn):
+    """fn, a forward + backward on static tensors, captured in a CUDA graph; returns the graph's replay. A replay
+    launches every kernel of the micro-batch at once, so the host's time per call drops to ~1 ms; the gradients
+    must exist (they accumulate in place) and the randomness is drawn anew on each replay (CUDA's generator is
+    graph-safe). Captured whole, the micro-batch frees its temporaries inside the graph's own memory as it goes:
+    measured, it needs no more memory than running it normally (NOTES.md)."""
+    side = torch.cuda.Stream()  # warm-up runs on a side stream first, as torch.cuda.graph requires
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def profile(fn, name, steps=3):
@@ -307,6 +327,7 @@ def bench_train(args):
     device = _gpu()
     tokens = args.device_batch * args.seq_len
     mode = f"torch.compile (mode {args.compile_mode})" if args.compile else "eager"
+    mode += ", each micro-batch's forward + backward captured in a CUDA graph" if args.cuda_graph else ""
     print(f"training step of train.py's presets: micro-batches of {args.device_batch} x {args.seq_len} tokens, "
           f"BF16 autocast, {mode}")
     if args.profile:  # measured 2026-12-01: after a profile, the next recipes' steps ran up to 40% slower
@@ -330,7 +351,7 @@ def bench_train(args):
             rows.append(dict(depth=depth, recipe=recipe, accumulation=accumulation, forward_backward_ms=ms_fb,
                              forward_backward_all_ms=times, host_ms=ms_host, optimizer_ms=ms_opt, step_ms=ms_step,
                              tokens_per_s=tokens_per_s, vs_bf16=ratio, peak_memory_gb=peak_memory,
-                             compiled=args.compile, compile_mode=args.compile_mode))
+                             compiled=args.compile, compile_mode=args.compile_mode, cuda_graph=args.cuda_graph))
             print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{f'{times[0]:.1f}-{times[-1]:.1f}':>14}"
                   f"{ms_host:>8.1f}{ms_opt:>9.1f}{ms_step:>9.1f}{tokens_per_s:>11,.0f}"
                   f"{f'{ratio:.2f}x' if ratio else '-':>8}{peak_memory:>8.1f}", flush=True)
@@ -512,6 +533,9 @@ def main(argv=None):
                           help="torch.compile the model (default), or --no-compile for eager")
     training.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
     training.add_argument("--calls", type=int, default=20, help="forward + backward passes timed per recipe")
+    training.add_argument("--cuda-graph", action="store_true",
+                          help="capture each micro-batch's forward + backward (compiled in the default mode) in one "
+                               "CUDA graph and replay it: the host only launches the graph")
     training.add_argument("--profile", action="store_true",
                           help="also print a torch.profiler table per model (the profiler slows what runs after it: "
                                "take speed ratios from a run without it)")
@@ -540,6 +564,8 @@ def main(argv=None):
         parser.error("--calls must be at least 1")
     if args.command in ("train", "linear") and args.compile_mode is None:
         args.compile_mode = train.COMPILE_MODE
+    if args.command == "train" and args.cuda_graph and args.compile and args.compile_mode == "reduce-overhead":
+        parser.error("--cuda-graph captures the compiled step itself: use it with the default compile mode")
     run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train, grad=bench_grad,
                study=bench_study)[args.command]
     try:
