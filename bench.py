@@ -277,10 +277,10 @@ def training_step(depth, recipe, args, device, accumulation):
         model.zero_grad(set_to_none=not args.cuda_graph)  # a captured backward adds into the same gradient tensors
 
     whole_step()  # compiles, warms up
-    if args.cuda_graph:
-        forward_backward = captured(forward_backward)  # whole_step now replays it too
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
+    if args.cuda_graph:  # captured after the reset: a replay allocates nothing, the capture holds its memory
+        forward_backward = captured(forward_backward)  # whole_step now replays it too
     whole_step()
     torch.cuda.synchronize()
     peak_memory = torch.cuda.max_memory_allocated() / 1e9
