@@ -261,7 +261,6 @@ def training_step(depth, recipe, args, device, accumulation):
     batch = torch.randint(0, 50257, (args.device_batch, args.seq_len + 1), device=device)
 
     def forward_backward():
-        torch.compiler.cudagraph_mark_step_begin()
         with torch.autocast(device.type, dtype=torch.bfloat16):
             loss = runner(batch[:, :-1], batch[:, 1:])
         loss.backward()
