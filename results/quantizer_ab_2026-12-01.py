@@ -1,5 +1,9 @@
-"""Call 2 of NOTES.md 2026-12-01 (last), run from the repository root on a GPU after `git apply
-results/quantizer_halves_2026-12-01.patch`: the quantizers loading each 16-group into one thread against 216b39e."""
+"""Calls 1 and 2 of NOTES.md 2026-12-01 (last), run from the repository root on a GPU: every RTN/SR quantizer at
+several launch shapes, 216b39e's kernels.py against the working tree's, outputs compared bit for bit.
+Call 1: `python results/quantizer_ab_2026-12-01.py --inductor`, the working tree with the E2M1-code change described
+there (without the rtnT row), and inductor fusing an absolute maximum into relu^2 and RMS norm.
+Call 2: the same without --inductor after `git apply results/quantizer_halves_2026-12-01.patch` (without the
+64 x 8 shape)."""
 import os, sys, types, json
 sys.path.insert(0, os.getcwd())
 import torch, triton
@@ -32,7 +36,7 @@ VARIANTS = {
     "srT32": dict(rounding="sr", fp4_max=SR_FP4_MAX, transpose=True, signs=s32),
     "rtn16x16_46T": dict(block="16x16", four_over_six=True, transpose=True),
 }
-CONFIGS = [(16, 2), (16, 4), (16, 8), (32, 4), (32, 8)]
+CONFIGS = [(16, 2), (16, 4), (16, 8), (32, 4), (32, 8), (64, 8)]
 
 def run(mod, rows, warps, kw):
     mod.QUANTIZE_ROWS, mod.QUANTIZE_WARPS = rows, warps
@@ -63,3 +67,34 @@ new.QUANTIZE_ROWS, new.QUANTIZE_WARPS = 16, 4
 print("amax alone %.4f ms" % triton.testing.do_bench(lambda: new._amax(x), warmup=10, rep=80))
 json.dump(rows, open(os.path.join(out_dir, "sweep.json"), "w"), indent=1)
 
+if "--inductor" not in sys.argv:
+    sys.exit()
+# Inductor: can the producer of a quantizer's input compute its absolute maximum on the fly?
+import torch.nn.functional as F
+from torch._inductor.utils import run_and_get_code
+def relu2(h): return F.relu(h).square()
+def relu2_rowamax(h):
+    y = F.relu(h).square(); return y, y.abs().amax(dim=-1).amax()
+def relu2_amax(h):
+    y = F.relu(h).square(); return y, y.abs().amax()
+def rms(x): return F.rms_norm(x, (x.size(-1),))
+def rms_rowamax(x):
+    y = F.rms_norm(x, (x.size(-1),)); return y, y.abs().amax(dim=-1).amax()
+def rms_amax(x):
+    y = F.rms_norm(x, (x.size(-1),)); return y, y.abs().amax()
+h = torch.randn(32768, 3072, device=dev, dtype=torch.bfloat16)
+r = torch.randn(32768, 768, device=dev, dtype=torch.bfloat16)
+for name, fn, inp in [("relu2", relu2, h), ("relu2+rowamax", relu2_rowamax, h), ("relu2+amax", relu2_amax, h),
+                      ("rms", rms, r), ("rms+rowamax", rms_rowamax, r), ("rms+amax", rms_amax, r)]:
+    c = torch.compile(fn)
+    res, code = run_and_get_code(c, inp)
+    kernels_n = sum(s.count("@triton.jit") for s in code)
+    ms = triton.testing.do_bench(lambda: c(inp), warmup=10, rep=100)
+    ok = ""
+    if isinstance(res, tuple):
+        ok = torch.equal(res[1].float(), res[0].float().abs().max())
+    print("%-16s kernels %d  %.4f ms  %s" % (name, kernels_n, ms, ok), flush=True)
+    if name in ("relu2+rowamax", "rms+rowamax"):
+        open(os.path.join(out_dir, name + ".py"), "w").write("\n\n".join(code))
+y = relu2(h)
+print("our amax of relu2 output %.4f ms" % triton.testing.do_bench(lambda: new._amax(y), warmup=10, rep=100))
