@@ -269,9 +269,9 @@ def compile_model(model, mode=COMPILE_MODE):
     trees (one memory pool shared by the forward and backward graphs) the first backward failed, "accessing tensor
     output of CUDAGraphs that has been overwritten by a subsequent run", for BF16 too (H200, NOTES.md). A graph's
     outputs are then overwritten by its next replay: use each forward's loss before the next forward."""
-    how = dict(mode=mode) if mode != "reduce-overhead" else dict(
+    mode_or_options = dict(mode=mode) if mode != "reduce-overhead" else dict(
         options={"triton.cudagraphs": True, "triton.cudagraph_trees": False})
-    return torch.compile(model, fullgraph=True, dynamic=False, **how)
+    return torch.compile(model, fullgraph=True, dynamic=False, **mode_or_options)
 
 
 # -----------------------------------------------------------------------------
