@@ -112,15 +112,9 @@ def _round_to_grid(x, MANTISSA: tl.constexpr, MIN_EXPONENT: tl.constexpr, MAX: t
 
 
 @triton.jit
-def _e4m3_round(x):
-    """x >= 0 rounded to the nearest E4M3 value, saturating at 448 (quantize.e4m3_round)."""
-    return _round_to_grid(x, 3, -6, 448.0)
-
-
-@triton.jit
-def _e4m3_stochastic_round(x, noise):
-    """x >= 0 rounded up to the next E4M3 value with probability equal to its distance from the lower one (in grid
-    steps), else down: unbiased up to the saturation at 448."""
+def _e4m3_round(x, noise=None):
+    """x >= 0 rounded to E4M3 (quantize.e4m3_round), saturating at 448: to nearest, or, given noise, up with
+    probability equal to the distance from the lower neighbour (unbiased below 448)."""
     return _round_to_grid(x, 3, -6, 448.0, noise)
 
 
@@ -222,24 +216,12 @@ def _unpack(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 
 @triton.jit
-def _codes_at(row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Offsets [ROWS, COLS/2] of the packed codes of the [ROWS, COLS] tile at (row0, col0) of a [*, width] tensor."""
+def _offsets(row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr, PER: tl.constexpr = 1):
+    """Offsets of the [ROWS, COLS] tile at (row0, col0) of a [*, width] tensor stored as one item per PER elements
+    of a row: [ROWS, COLS / PER]. PER = 1 for values, 2 for packed codes, 16 for 1x16 group scales (for 16x16 ones,
+    pass the tile's 16-row block and the count of them as row0 and ROWS)."""
     rows = row0 + tl.arange(0, ROWS)
-    return rows[:, None] * (width // 2) + (col0 // 2 + tl.arange(0, COLS // 2))[None, :]
-
-
-@triton.jit
-def _groups_at(row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Offsets [ROWS, COLS/16] of the group scales of that tile. For 16x16 groups pass the tile's first 16-row block
-    and the count of 16-row blocks as row0 and ROWS."""
-    rows = row0 + tl.arange(0, ROWS)
-    return rows[:, None] * (width // 16) + (col0 // 16 + tl.arange(0, COLS // 16))[None, :]
-
-
-@triton.jit
-def _elements_at(row0, col0, width, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """Offsets [ROWS, COLS] of the elements of that tile (contiguous rows)."""
-    return (row0 + tl.arange(0, ROWS))[:, None] * width + (col0 + tl.arange(0, COLS))[None, :]
+    return rows[:, None] * (width // PER) + (col0 // PER + tl.arange(0, COLS // PER))[None, :]
 
 
 @triton.jit
@@ -260,11 +242,11 @@ def _load_nvfp4(codes_ptr, scales_ptr, row0, col0, width, ROWS: tl.constexpr, CO
     """(packed codes [ROWS, COLS/2], E4M3 scale bits) of the [ROWS, COLS] tile at (row0, col0) of an NVFP4 tensor
     [*, width] with 1x16 groups ([ROWS, COLS/16] scales), or with 16x16 ones (TILE16: [ROWS/16, COLS/16]; row0 a
     multiple of 16)."""
-    packed = tl.load(codes_ptr + _codes_at(row0, col0, width, ROWS, COLS))
+    packed = tl.load(codes_ptr + _offsets(row0, col0, width, ROWS, COLS, 2))
     if TILE16:
-        scale_bits = tl.load(scales_ptr + _groups_at(row0 // 16, col0, width, ROWS // 16, COLS))
+        scale_bits = tl.load(scales_ptr + _offsets(row0 // 16, col0, width, ROWS // 16, COLS, 16))
     else:
-        scale_bits = tl.load(scales_ptr + _groups_at(row0, col0, width, ROWS, COLS))
+        scale_bits = tl.load(scales_ptr + _offsets(row0, col0, width, ROWS, COLS, 16))
     return packed, scale_bits
 
 
@@ -438,15 +420,15 @@ def _quantize_kernel(
         code = _e2m1_code(magnitude)  # of the chosen magnitude: fewer live registers than choosing between codes
 
     codes = tl.reshape(code | _code_sign(groups), (ROWS, _HADAMARD))
-    tl.store(codes_ptr + _codes_at(row0, col0, C, ROWS, _HADAMARD), _pack(codes, ROWS, _HADAMARD))
+    tl.store(codes_ptr + _offsets(row0, col0, C, ROWS, _HADAMARD, 2), _pack(codes, ROWS, _HADAMARD))
     if TILE16:
-        tl.store(scales_ptr + _groups_at(row0 // 16, col0, C, ROWS // 16, _HADAMARD),
+        tl.store(scales_ptr + _offsets(row0 // 16, col0, C, ROWS // 16, _HADAMARD, 16),
                  _e4m3_bits(tl.reshape(scale, (ROWS // 16, 8))))
     else:
-        tl.store(scales_ptr + _groups_at(row0, col0, C, ROWS, _HADAMARD), _e4m3_bits(tl.reshape(scale, (ROWS, 8))))
+        tl.store(scales_ptr + _offsets(row0, col0, C, ROWS, _HADAMARD, 16), _e4m3_bits(tl.reshape(scale, (ROWS, 8))))
     if scaled_ptr is not None:
         value = tl.where(groups.to(tl.int32, bitcast=True) < 0, -magnitude, magnitude) * scale  # sign of x, -0 too
-        tl.store(scaled_ptr + _elements_at(row0, col0, C, ROWS, _HADAMARD),
+        tl.store(scaled_ptr + _offsets(row0, col0, C, ROWS, _HADAMARD),
                  tl.reshape(value, (ROWS, _HADAMARD)).to(scaled_ptr.dtype.element_ty))
     if (tl.program_id(0) == 0) & (tl.program_id(1) == 0):
         tl.store(tensor_scale_ptr, tensor_scale)
@@ -472,8 +454,8 @@ def _eden_store(groups, largest, tensor_scale, codes_ptr, corrected_ptr, row0, c
     corrected = tl.reshape(scale * tl.where(overlap > 0, tl.math.div_rn(norm, overlap), 1.0), (ROWS, 8))
     corrected = corrected * tensor_scale
     codes = tl.reshape(code | _code_sign(scaled), (ROWS, _HADAMARD))
-    tl.store(codes_ptr + _codes_at(row0, col0, width, ROWS, _HADAMARD), _pack(codes, ROWS, _HADAMARD))
-    tl.store(corrected_ptr + _groups_at(row0, col0, width, ROWS, _HADAMARD), corrected)
+    tl.store(codes_ptr + _offsets(row0, col0, width, ROWS, _HADAMARD, 2), _pack(codes, ROWS, _HADAMARD))
+    tl.store(corrected_ptr + _offsets(row0, col0, width, ROWS, _HADAMARD, 16), corrected)
     return _abs_bits(corrected)
 
 
@@ -502,20 +484,6 @@ def _eden_values(loaded, scale_bits, SUB: tl.constexpr, TRANSPOSED: tl.constexpr
 
 
 @triton.jit
-def _eden_job(first, i, step, tile_cols, last, sub0, R, C, TRANSPOSED: tl.constexpr):
-    """Where a program's i-th job reads and writes: (input row, input column, output row, output column, output
-    width). Past the end of the tiles: the last tile again (the same values)."""
-    tile = tl.minimum(first + i * step, last)
-    row0 = (tile // tile_cols) * _HADAMARD
-    col0 = (tile % tile_cols) * _HADAMARD
-    if TRANSPOSED:  # columns col0 + sub0 ... of x: rows of the output [C, R]
-        job = row0, col0 + sub0, col0 + sub0, row0, R
-    else:
-        job = row0 + sub0, col0, row0 + sub0, col0, C
-    return job
-
-
-@triton.jit
 def _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale, codes_ptr,
                corrected_ptr, R, C, first, step, sub0, TRANSPOSED: tl.constexpr, TILES: tl.constexpr,
                SUB: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr, GROUPED: tl.constexpr):
@@ -527,7 +495,13 @@ def _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
     tile_cols = C // _HADAMARD
     last = (R // _HADAMARD) * tile_cols - 1
     for i in tl.range(TILES, num_stages=STAGES):
-        in_row, in_col, out_row, out_col, width = _eden_job(first, i, step, tile_cols, last, sub0, R, C, TRANSPOSED)
+        tile = tl.minimum(first + i * step, last)  # past the end: the last tile again (the same values)
+        row0 = (tile // tile_cols) * _HADAMARD
+        col0 = (tile % tile_cols) * _HADAMARD
+        if TRANSPOSED:  # columns col0 + sub0 ... of x: rows of the output [C, R]
+            in_row, in_col, out_row, out_col, width = row0, col0 + sub0, col0 + sub0, row0, R
+        else:
+            in_row, in_col, out_row, out_col, width = row0 + sub0, col0, row0 + sub0, col0, C
         loaded, scale_bits = _eden_load(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, in_row, in_col,
                                         SUB, TRANSPOSED)
         sums = _rotate(_eden_values(loaded, scale_bits, SUB, TRANSPOSED), rotation, _HADAMARD, DOT_FP32, False)
@@ -601,7 +575,7 @@ def _eden_finish(corrected_ptr, amax_ptr, codes_ptr, scales_ptr, scaled_ptr, ten
     valid = group < n_groups
     tensor_scale = _tensor_scale(amax_ptr, _EDEN_FP8_MAX)
     target = tl.math.div_rn(tl.load(corrected_ptr + group, mask=valid, other=0.0), tensor_scale)
-    scale = _e4m3_stochastic_round(target, tl.rand(seed, counter0 + group))
+    scale = _e4m3_round(target, tl.rand(seed, counter0 + group))
     tl.store(scales_ptr + group, _e4m3_bits(scale), mask=valid)
     if scaled_ptr is not None:
         packed = tl.load(codes_ptr + group[:, None] * 8 + tl.arange(0, 8)[None, :], mask=valid[:, None], other=0)
@@ -642,7 +616,7 @@ def _dequantize_kernel(codes_ptr, scales_ptr, tensor_scale_ptr, out_ptr, C, ROWS
     values = _scaled_codes(packed, scale_bits, ROWS, _HADAMARD, TILE16)
     if TENSOR_SCALE:
         values = values * tl.load(tensor_scale_ptr)
-    tl.store(out_ptr + _elements_at(row0, col0, C, ROWS, _HADAMARD), values.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + _offsets(row0, col0, C, ROWS, _HADAMARD), values.to(out_ptr.dtype.element_ty))
 
 
 # -----------------------------------------------------------------------------
