@@ -455,9 +455,11 @@ def test_kernels_at_the_ends_of_the_float32_range(largest, options):
         assert bench.relative_error(ours.dequantize(), x.cpu()) < 0.04
 
 
-@pytest.mark.parametrize("largest", [1e-45, 1e-38, 3e38])
+@pytest.mark.parametrize("largest", [1e-45, 1e-38, 1e36, 2e36, 3e38])
 def test_ms_eden_kernels_at_the_ends_of_the_float32_range(largest):
-    # Groups too small for a normal FP32 scale become zeros; inputs beyond 2^120 saturate before the rotation.
+    # Groups too small for a normal FP32 scale become zeros; inputs beyond 2^120 (1.3e36) saturate before the
+    # rotation. The kernel tests for that after rotating (sums beyond 2^119): at 1e36 the test fires but nothing
+    # needs saturating, at 2e36 a few inputs do, at 3e38 most do and the unsaturated sums overflow.
     x = torch.randn(128, 128, generator=torch.Generator().manual_seed(11))
     x = (x / x.abs().max() * largest).to(DEVICE)
     signs = random_signs(generator=torch.Generator().manual_seed(11))
@@ -466,6 +468,21 @@ def test_ms_eden_kernels_at_the_ends_of_the_float32_range(largest):
     assert_phase1_matches(cols, rht(x.cpu().t(), signs))
     for out in kernels.triton_ms_eden_pair(x, signs.to(DEVICE)):
         assert cpu(out).dequantize().isfinite().all()
+
+
+@pytest.mark.parametrize("largest", [1e36, 2e36, 3e38])  # nothing to saturate; some inputs; the sums overflow
+def test_rotated_quantizer_saturates_huge_inputs(largest):
+    # The rotated amax pass rotates first and tests afterwards (as MS-EDEN does): huge inputs must give the
+    # reference's tensor scale (from saturated inputs), not an overflow.
+    x = torch.randn(128, 256, generator=torch.Generator().manual_seed(14))
+    x = (x / x.abs().max() * largest).to(DEVICE)
+    signs = random_signs(16, generator=torch.Generator().manual_seed(14))
+    ours = cpu(kernels.triton_quantize(x, transpose=True, signs=signs.to(DEVICE)))
+    reference = quantize_nvfp4(rht(x.cpu().t(), signs))
+    assert abs(ours.tensor_scale.item() / reference.tensor_scale.item() - 1) < 1e-6
+    assert ours.dequantize().isfinite().all()
+    agree = decode_e2m1(unpack_codes(ours.codes)) == decode_e2m1(unpack_codes(reference.codes))
+    assert agree.float().mean() >= 0.999
 
 
 @triton.jit
