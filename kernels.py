@@ -43,7 +43,9 @@ INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # Triton's CPU interpre
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROTATIONS = (16, 32, 128)  # rotation widths of the quantizer: NVIDIA's 16, TetraJet-v2's 32, MS-EDEN's 128
 # Launch shapes, each measured fastest on the H200 (NOTES.md). A multiprocessor has 64K registers and 227 KB of
-# shared memory; MS-EDEN phase one's BF16 program holds the rotation (32 KB) and 16 KB per pipeline stage.
+# shared memory; MS-EDEN phase one's BF16 program holds the rotation (32 KB), 16 KB per pipeline stage and 16 KB
+# for its rare saturated redo, so with one stage (a job's input loaded while the program's own work waits, the other
+# programs' going on) four programs fit at 128 registers.
 QUANTIZE_ROWS, QUANTIZE_WARPS = 16, 4  # rows per program of the RTN/SR quantizer
 ROTATED_AMAX_ROWS = 32  # 16 measured 25% slower; used only when the rows are a multiple of 16 alone
 EDEN_SUB = 64  # MS-EDEN phase one works in jobs of 64 rows (or columns) of a 128 x 128 tile
