@@ -44,8 +44,8 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 ROTATIONS = (16, 32, 128)  # rotation widths of the quantizer: NVIDIA's 16, TetraJet-v2's 32, MS-EDEN's 128
 # Launch shapes, each measured fastest on the H200 (NOTES.md). A multiprocessor has 64K registers and 227 KB of
 # shared memory; MS-EDEN phase one's BF16 program holds the rotation (32 KB), 16 KB per pipeline stage and 16 KB
-# for its rare saturated redo, so with one stage (a job's input loaded while the program's own work waits, the other
-# programs' going on) four programs fit at 128 registers.
+# for its rare saturated redo, so with one stage four programs fit at 128 registers (while one waits for its input,
+# the others compute).
 QUANTIZE_ROWS, QUANTIZE_WARPS = 16, 4  # rows per program of the RTN/SR quantizer
 ROTATED_AMAX_ROWS = 32  # 16 measured 25% slower; used only when the rows are a multiple of 16 alone
 EDEN_SUB = 64  # MS-EDEN phase one works in jobs of 64 rows (or columns) of a 128 x 128 tile
@@ -211,8 +211,8 @@ def _pack(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def _unpack(packed, ROWS: tl.constexpr, COLS: tl.constexpr):
-    """[ROWS, COLS/2] bytes -> [ROWS, COLS] int32 holding each code in bits 0-3 (the high nibble's above it is left:
-    _e2m1_value ignores it)."""
+    """[ROWS, COLS/2] bytes -> [ROWS, COLS] int32, each code in bits 0-3. The even element keeps its byte's high
+    nibble in bits 4-7, which _e2m1_value ignores (one mask fewer per byte)."""
     packed = packed.to(tl.int32)
     return tl.reshape(tl.join(packed, packed >> 4), (ROWS, COLS))
 
@@ -486,6 +486,14 @@ def _eden_values(loaded, scale_bits, SUB: tl.constexpr, TRANSPOSED: tl.constexpr
 
 
 @triton.jit
+def _eden_groups(sums, SUB: tl.constexpr, GROUPED: tl.constexpr):
+    """(groups [SUB, 8, 16], their largest |sum| [SUB, 8, 1]) of a job's unnormalized rotation sums [SUB, 128],
+    GROUPED if the rotation matrix was (_grouped); a NaN anywhere in a group is its largest."""
+    groups = _grouped(sums, SUB) if GROUPED else tl.reshape(sums, (SUB, 8, 16))
+    return groups, tl.reduce(tl.abs(groups), 2, _nan_max, keep_dims=True)
+
+
+@triton.jit
 def _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation, tensor_scale, codes_ptr,
                corrected_ptr, R, C, first, step, sub0, TRANSPOSED: tl.constexpr, TILES: tl.constexpr,
                SUB: tl.constexpr, STAGES: tl.constexpr, DOT_FP32: tl.constexpr, GROUPED: tl.constexpr):
@@ -506,9 +514,8 @@ def _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
             in_row, in_col, out_row, out_col, width = row0 + sub0, col0, row0 + sub0, col0, C
         loaded, scale_bits = _eden_load(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, in_row, in_col,
                                         SUB, TRANSPOSED)
-        sums = _rotate(_eden_values(loaded, scale_bits, SUB, TRANSPOSED), rotation, _HADAMARD, DOT_FP32, False)
-        groups = _grouped(sums, SUB) if GROUPED else tl.reshape(sums, (SUB, 8, 16))
-        largest = tl.reduce(tl.abs(groups), 2, _nan_max, keep_dims=True)
+        values = _eden_values(loaded, scale_bits, SUB, TRANSPOSED)
+        groups, largest = _eden_groups(_rotate(values, rotation, _HADAMARD, DOT_FP32, False), SUB, GROUPED)
         # Saturation (eden.rht) almost never changes anything, so it is tested after the rotation, on the largest
         # sums (a NaN fails the test too), and the input goes to the tensor cores as it was loaded. An NVFP4 input
         # (at most 6 * 448 * tensor scale) never needs it.
@@ -516,10 +523,8 @@ def _eden_jobs(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, rotation,
             if not (tl.reduce(largest, None, _nan_max) <= _SATURATION_TEST):
                 loaded, _ = _eden_load(x_ptr, stride_r, stride_c, in_codes_ptr, in_scales_ptr, C, in_row, in_col,
                                        SUB, TRANSPOSED)
-                sums = _rotate(_saturate(_eden_values(loaded, 0, SUB, TRANSPOSED)), rotation, _HADAMARD, DOT_FP32,
-                               False)
-                groups = _grouped(sums, SUB) if GROUPED else tl.reshape(sums, (SUB, 8, 16))
-                largest = tl.reduce(tl.abs(groups), 2, _nan_max, keep_dims=True)
+                values = _saturate(_eden_values(loaded, 0, SUB, TRANSPOSED))
+                groups, largest = _eden_groups(_rotate(values, rotation, _HADAMARD, DOT_FP32, False), SUB, GROUPED)
         largest_bits = tl.maximum(largest_bits, _eden_store(groups, largest, tensor_scale, codes_ptr, corrected_ptr,
                                                             out_row, out_col, width, SUB))
     return tl.max(tl.max(largest_bits, axis=1), axis=0)
