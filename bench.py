@@ -279,7 +279,7 @@ def training_step(depth, recipe, args, device, accumulation):
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     if args.cuda_graph:  # captured after the reset: a replay allocates nothing, the capture holds its memory
-        forward_backward = captured(forward_backward)  # whole_step now replays it too
+        forward_backward = train.cuda_graph(forward_backward)[0]  # whole_step now replays it too
     whole_step()
     torch.cuda.synchronize()
     peak_memory = torch.cuda.max_memory_allocated() / 1e9
@@ -289,24 +289,6 @@ def training_step(depth, recipe, args, device, accumulation):
     if args.profile:
         profile(forward_backward, f"d{depth} {recipe}")
     return times, ms_host, ms_optimizer, peak_memory
-
-
-def captured(fn):
-    """fn, a forward + backward on static tensors, captured in a CUDA graph; returns the graph's replay. A replay
-    launches every kernel of the micro-batch at once, so the host's time per call drops to ~1 ms; the gradients
-    must exist (they accumulate in place) and the randomness is drawn anew on each replay (CUDA's generator is
-    graph-safe). Captured whole, the micro-batch frees its temporaries inside the graph's own memory as it goes:
-    measured, it needs no more memory than running it normally (NOTES.md)."""
-    side = torch.cuda.Stream()  # warm-up runs on a side stream first, as torch.cuda.graph requires
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def profile(fn, name, steps=3):

@@ -144,6 +144,17 @@ def test_resume_is_bit_exact(small_data, tmp_path, recipe):
     assert losses(straight) == losses(resumed)
 
 
+@pytest.mark.gpu
+def test_captured_micro_batches_train_as_uncaptured_ones(small_data, tmp_path):
+    # --cuda-graph replays each micro-batch's forward + backward from a CUDA graph (two micro-batches per step here):
+    # the same random draws and the same arithmetic, so the same losses bit for bit, in every kind of recipe.
+    recipes = ("--recipe", "bf16,quartet2,nvidia", "--steps", "4", "--compile")
+    assert run(tiny_args(small_data, tmp_path / "captured", *recipes, "--cuda-graph")) is None
+    assert run(tiny_args(small_data, tmp_path / "uncaptured", *recipes, "--no-cuda-graph")) is None
+    assert losses(tmp_path / "captured") == losses(tmp_path / "uncaptured")
+    assert len(losses(tmp_path / "captured")) == 12
+
+
 def test_a_crash_after_a_checkpoint_is_resumed_without_repeating_metrics(small_data, tmp_path):
     common = ("--steps", "6", "--recipe", "bf16", "--checkpoint-every", "2")
     assert run(tiny_args(small_data, tmp_path, *common, "--stop-after", "3")) is None  # checkpoint at step 3
@@ -281,6 +292,7 @@ def bad_data(tmp_path, name, content):
     (["--lr-matrix", "inf"], "--lr-matrix must be a positive number"),
     (["--device", "foo"], "is not a device"),
     (["--device", "cuda"], "no CUDA GPU"),
+    (["--cuda-graph"], "--cuda-graph runs on one GPU"),
     (["--depth", "3"], "depth must be a positive even number"),
     (["--seq-len", "100", "--device-batch", "1", "--batch-tokens", "100", "--recipe", "quartet2"], "multiple of 128"),
     (["--data", "hf", "--hf-dataset", "json", "--hf-config", "", "--hf-files", "/nonexistent.jsonl"],
