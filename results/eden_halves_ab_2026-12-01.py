@@ -1,7 +1,8 @@
 """A/B of MS-EDEN phase one and the re-quantization: a kernels.py of before (first argument, e.g.
-`git show 6af64b1:kernels.py > /tmp/before.py`) against the working tree's (the rotation as H2 x H64: two 64-wide dots),
-same inputs, outputs compared, a few launch shapes of the new kernel. Prints one line per case; writes $OUT/ab.json.
-NOTES.md, 2026-12-01 (night, second session), call 1."""
+`git show 6af64b1:kernels.py > /tmp/before.py`) against another (second argument; e.g. 6af64b1's with
+results/eden_h2xh64_2026-12-01.patch applied: the rotation as H2 x H64, two 64-wide dots), same inputs, outputs
+compared, a few launch shapes of the new kernel. AB_ONLY=requant times the re-quantization only. Prints one line per
+case; writes $OUT/ab.json. NOTES.md, 2026-12-01 (second night), calls 1-3."""
 import json
 import os
 import sys
@@ -11,7 +12,6 @@ sys.path.insert(0, os.getcwd())
 import torch
 import triton
 
-import kernels as new
 from eden import random_signs
 
 
@@ -25,6 +25,8 @@ def load(path, name):
 
 
 before = load(sys.argv[1], "kernels_before")
+new = load(sys.argv[2], "kernels_new")
+ONLY = os.environ.get("AB_ONLY")
 SMOKE = not torch.cuda.is_available()  # on a CPU (TRITON_INTERPRET=1): checks this script only
 device = "cpu" if SMOKE else "cuda"
 torch.manual_seed(0)
@@ -70,14 +72,15 @@ def timed(name, shape, variants, compare):
 for shape in [(256, 256)] if SMOKE else [(16384, 4096), (32768, 3072), (32768, 768)]:
     x = torch.randn(*shape, device=device, dtype=torch.bfloat16)
     pair = lambda k: k.eden_phase1(x, signs)
-    timed("phase 1 pair", shape, {
-        "before": (before, {}, pair),
-        "new (4, 128, 4/SM, 1)": (new, {}, pair),
-        "new (4, -, 3/SM, 1)": (new, dict(bf16=(4, None, 3, 1)), pair),
-        "new (4, 128, 4/SM, 2)": (new, dict(bf16=(4, 128, 4, 2)), pair),
-        "new (4, -, 2/SM, 2)": (new, dict(bf16=(4, None, 2, 2)), pair),
-        "new (8, 64, 4/SM, 1)": (new, dict(bf16=(8, 64, 4, 1)), pair),
-    }, lambda a, b: (phase1_diff(a[0], b[0]), phase1_diff(a[1], b[1])))
+    if ONLY != "requant":
+        timed("phase 1 pair", shape, {
+            "before": (before, {}, pair),
+            "new (4, 128, 4/SM, 1)": (new, {}, pair),
+            "new (4, -, 3/SM, 1)": (new, dict(bf16=(4, None, 3, 1)), pair),
+            "new (4, 128, 4/SM, 2)": (new, dict(bf16=(4, 128, 4, 2)), pair),
+            "new (4, -, 2/SM, 2)": (new, dict(bf16=(4, None, 2, 2)), pair),
+            "new (8, 64, 4/SM, 1)": (new, dict(bf16=(8, 64, 4, 1)), pair),
+        }, lambda a, b: (phase1_diff(a[0], b[0]), phase1_diff(a[1], b[1])))
     saved = new.triton_quantize(x, four_over_six=True, scaled_codes=False)
     requant = lambda k: k.eden_phase1_requantize(saved, signs)
     timed("re-quantize phase 1", shape, {
@@ -86,10 +89,11 @@ for shape in [(256, 256)] if SMOKE else [(16384, 4096), (32768, 3072), (32768, 7
         "new (4, 128, 4/SM, 1)": (new, dict(nvfp4=(4, 128, 4, 1)), requant),
         "new (4, 168, 3/SM, 2)": (new, dict(nvfp4=(4, 168, 3, 2)), requant),
     }, phase1_diff)
-    if shape[0] == 16384 or SMOKE:
+    if (shape[0] == 16384 or SMOKE) and ONLY != "requant":
         timed("MS-EDEN pair (all)", shape, {m: (mod, {}, lambda k: k.triton_ms_eden_pair(x, signs, seed=seed))
                                             for m, mod in (("before", before), ("new", new))},
               lambda a, b: (nvfp4_diff(a[0], b[0]), nvfp4_diff(a[1], b[1])))
+    if shape[0] == 16384 or SMOKE:
         timed("re-quantize (all)", shape, {m: (mod, {}, lambda k: k.triton_requantize_ms_eden(saved, signs, seed=seed))
                                            for m, mod in (("before", before), ("new", new))}, nvfp4_diff)
         copy_ms = 0.0 if SMOKE else triton.testing.do_bench(lambda: x.clone(), warmup=10, rep=60)
