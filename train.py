@@ -548,10 +548,10 @@ class Training:
             self.replay = self.capture(len(micro_batches))
         loss_sum = torch.zeros((), device=device)
         for micro, chunk in enumerate(micro_batches):
-            last = micro == len(micro_batches) - 1  # DDP all-reduces the gradients on the last micro-batch only
             if self.replay is not None:
                 loss_sum += self.replay(chunk)
                 continue
+            last = micro == len(micro_batches) - 1  # DDP all-reduces the gradients on the last micro-batch only
             with contextlib.nullcontext() if last or not processes.distributed else self.trained.no_sync():
                 loss_sum += self.forward_backward(chunk, len(micro_batches))
         self.adamw.step()
