@@ -53,7 +53,7 @@ def sass_of_phase1(path, rows=2048, cols=2048, tiles=2):
     x = torch.zeros(rows, cols, dtype=torch.bfloat16)
     out = lambda r, c: (torch.empty(r, c // 2, dtype=torch.uint8), torch.empty(r, c // 16), torch.zeros(1, dtype=torch.int32))
     kernel = module._eden_kernel.warmup(x, *x.stride(), None, None, None, torch.ones(128), *out(rows, cols),
-                                        *out(cols, rows), rows, cols, TILES_PER_PROGRAM=tiles, SUB=64, STAGES=1,
+                                        *out(cols, rows), rows, cols, TILES_PER_PROGRAM=tiles, SUB=int(os.environ.get("EDEN_SUB", 64)), STAGES=1,
                                         DOT_FP32=False, GROUPED=True, num_warps=4, maxnreg=128, grid=(1,))
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(kernel.asm["cubin"])
