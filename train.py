@@ -29,8 +29,9 @@ excluded from both: a tokenizer-independent measure of compression.
 Runs never lose work. OUT/run.json names the run (an id and the flags that define it); a lock keeps a second run out
 of OUT. Each recipe's checkpoint is written every --checkpoint-every steps and at the end, atomically, with a
 checksum of its contents. --resume continues every recipe exactly (data position, optimizer state, every GPU's
-random state), refuses a checkpoint of another run or changed flags that define the run, and extends a finished run
-given a larger --steps. A non-finite loss stops the run, naming the step; the last good checkpoint stays.
+random state: bit for bit on a CPU, and on a GPU with --deterministic, without which the compiled backward's atomic
+additions make even two uninterrupted runs differ in their last bits), refuses a checkpoint of another run or
+changed flags that define the run, and extends a finished run given a larger --steps. A non-finite loss stops the run, naming the step; the last good checkpoint stays.
 """
 
 import argparse
@@ -715,6 +716,9 @@ def parse_args(argv=None):
              "the graph (default: on one GPU with --compile)")
     add("--device", default="auto", help="cuda, cuda:N or cpu (default: the GPU if there is one)")
     add("--seed", type=int, default=0, help="seed of the weights, the data order and the quantization randomness")
+    add("--deterministic", action="store_true",
+        help="make a GPU run repeat bit for bit (torch.use_deterministic_algorithms): without it, the compiled "
+             "embedding backward adds its gradients with atomic additions, whose order varies between runs")
     add("--out", default="runs/latest", help="output directory (run.json, checkpoints, metrics, summary, plot)")
     add("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     add("--resume", action="store_true", help="continue the run in --out from its checkpoints")
@@ -767,8 +771,30 @@ def resolve(args, processes):
     return args
 
 
+@contextlib.contextmanager
+def deterministic(enabled):
+    """With enabled, PyTorch's deterministic algorithms (and cuBLAS's fixed workspace, which they require) inside the
+    block, the previous setting after it; torch.empty stays unfilled (filling every new tensor with NaN, as that mode
+    does by default, would cost a write per byte)."""
+    previous = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    if enabled:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any GEMM
+        torch.use_deterministic_algorithms(True)
+        torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(previous[0])
+        torch.utils.deterministic.fill_uninitialized_memory = previous[1]
+
+
 def main(argv=None):
     args = parse_args(argv)
+    with deterministic(args.deterministic):
+        return run_recipes(args)
+
+
+def run_recipes(args):
     release = None
     try:
         processes = Processes(args.device)

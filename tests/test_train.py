@@ -132,8 +132,10 @@ def test_tiny_run_writes_metrics_summary_and_plot(small_data, tmp_path):
 @pytest.mark.slow
 @pytest.mark.parametrize("recipe", ["bf16", "quartet2"])
 def test_resume_is_bit_exact(small_data, tmp_path, recipe):
+    # --deterministic: on a GPU two uninterrupted runs differ in the embedding's last bits without it (atomic
+    # additions in the compiled backward); on a CPU it changes nothing
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    common = ("--steps", "8", "--recipe", recipe, "--checkpoint-every", "3")
+    common = ("--steps", "8", "--recipe", recipe, "--checkpoint-every", "3", "--deterministic")
     assert run(tiny_args(small_data, straight, *common)) is None
     assert run(tiny_args(small_data, resumed, *common, "--stop-after", "4")) is None
     assert checkpoint(resumed, recipe)["step"] == 4
@@ -142,6 +144,20 @@ def test_resume_is_bit_exact(small_data, tmp_path, recipe):
     assert a["step"] == b["step"] == 8
     assert all(torch.equal(tensor, b["model"][name]) for name, tensor in a["model"].items())
     assert losses(straight) == losses(resumed)
+
+
+def test_deterministic_holds_for_the_run_only(small_data, tmp_path, monkeypatch):
+    seen, train_recipe = [], train.train_recipe
+
+    def spy(*args, **kwargs):
+        seen.append(torch.are_deterministic_algorithms_enabled())
+        return train_recipe(*args, **kwargs)
+    monkeypatch.setattr(train, "train_recipe", spy)
+    common = ("--steps", "1", "--recipe", "bf16")
+    assert run(tiny_args(small_data, tmp_path / "on", *common, "--deterministic")) is None
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert run(tiny_args(small_data, tmp_path / "off", *common)) is None
+    assert seen == [True, False]
 
 
 def test_capture_bookkeeping_on_a_stand_in_graph(small_data, tmp_path, monkeypatch):
