@@ -217,7 +217,8 @@ def bench_linear(args):
     tokens = args.tokens
     compile_mode = args.compile_mode if args.compile else None
     print(f"forward + backward of {tokens} tokens, "
-          f"{'eager' if compile_mode is None else f'torch.compile (mode {compile_mode})'}")
+          f"{'eager' if compile_mode is None else f'torch.compile (mode {compile_mode})'}"
+          f"{', captured in a CUDA graph' if args.cuda_graph else ''}")
     print(f"{'layer':<13}{'in->out':>13}{'bf16 ms':>9}{'quartet2':>10}{'nvidia':>9}   peak extra memory GB "
           f"(bf16 / quartet2 / nvidia)")
     rows = []
@@ -228,7 +229,7 @@ def bench_linear(args):
         x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=True)
         grad = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
         result = dict(layer=name, d_in=d_in, d_out=d_out, tokens=tokens, compiled=args.compile,
-                      compile_mode=compile_mode)
+                      compile_mode=compile_mode, cuda_graph=args.cuda_graph)
         reference = torch.nn.Linear(d_in, d_out, bias=False, device=device, dtype=torch.bfloat16)
         layers = dict(bf16=reference, quartet2=Linear(d_in, d_out, "quartet2").to(device),
                       nvidia=Linear(d_in, d_out, "nvidia").to(device))
@@ -236,6 +237,8 @@ def bench_linear(args):
             if recipe != "bf16":
                 layer.weight.data.copy_(reference.weight.float())
             step, memory = layer_step(layer, x, grad, compile_mode)
+            if args.cuda_graph:  # the gradients are made inside the capture, in the graph's memory
+                step = train.cuda_graph(step)[0]
             result[f"{recipe}_ms"], result[f"{recipe}_memory_gb"] = median_ms(step), memory / 1e9
         for recipe in ("quartet2", "nvidia"):
             result[f"{recipe}_ratio"] = result[f"{recipe}_ms"] / result["bf16_ms"]
@@ -505,6 +508,9 @@ def main(argv=None):
     linear.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
                         help="torch.compile each layer (default), or --no-compile for eager")
     linear.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
+    linear.add_argument("--cuda-graph", action="store_true",
+                        help="capture each layer's forward + backward in one CUDA graph and time its replays, as "
+                             "train.py runs a micro-batch on one GPU: the host's launches drop out")
     training = commands.add_parser("train", help="a training step per recipe (GPU)")
     training.add_argument("--depth", type=int, nargs="+", default=[12, 20])
     training.add_argument("--recipes", default="bf16,quartet2,nvidia", type=recipe_list)
@@ -545,7 +551,8 @@ def main(argv=None):
         parser.error("--calls must be at least 1")
     if args.command in ("train", "linear") and args.compile_mode is None:
         args.compile_mode = train.COMPILE_MODE
-    if args.command == "train" and args.cuda_graph and args.compile and args.compile_mode == "reduce-overhead":
+    if (args.command in ("train", "linear") and args.cuda_graph and args.compile
+            and args.compile_mode == "reduce-overhead"):
         parser.error("--cuda-graph captures the compiled step itself: use it with the default compile mode")
     run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train, grad=bench_grad,
                study=bench_study)[args.command]

@@ -285,8 +285,8 @@ def cuda_graph(fn, warmups=3):
     living in the graph's memory and refreshed by each replay. A replay launches every kernel of fn at once, so the
     host's time per call drops to ~1 ms (a compiled quantized d12 micro-batch keeps the host ~100 ms busy without
     it). The warm-up calls (which compile) run on a side stream, as torch.cuda.graph requires. Randomness drawn on the
-    device is drawn anew on each replay (CUDA's generator is graph-safe); gradients must exist before the capture,
-    which then adds into them in place. Captured whole, fn frees its temporaries inside the graph's own memory as it
+    device is drawn anew on each replay (CUDA's generator is graph-safe); gradients that exist before the capture
+    are added into in place (train.py's accumulation), ones made during it live in the graph's memory. Captured whole, fn frees its temporaries inside the graph's own memory as it
     goes: a captured d12 micro-batch needed no more memory than an uncaptured one (H200, NOTES.md)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

@@ -85,7 +85,8 @@ def test_train_needs_at_least_one_timed_call(capsys):
     assert "--calls must be at least 1" in capsys.readouterr().err
 
 
-def test_train_refuses_a_cuda_graph_inside_a_cuda_graph(capsys):
+@pytest.mark.parametrize("command", ["train", "linear"])
+def test_refuses_a_cuda_graph_inside_a_cuda_graph(capsys, command):
     with pytest.raises(SystemExit):
-        bench.main(["train", "--cuda-graph", "--compile-mode", "reduce-overhead"])
+        bench.main([command, "--cuda-graph", "--compile-mode", "reduce-overhead"])
     assert "--cuda-graph captures the compiled step itself" in capsys.readouterr().err
