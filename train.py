@@ -31,7 +31,8 @@ of OUT. Each recipe's checkpoint is written every --checkpoint-every steps and a
 checksum of its contents. --resume continues every recipe exactly (data position, optimizer state, every GPU's
 random state: bit for bit on a CPU, and on a GPU with --deterministic, without which the compiled backward's atomic
 additions make even two uninterrupted runs differ in their last bits), refuses a checkpoint of another run or
-changed flags that define the run, and extends a finished run given a larger --steps. A non-finite loss stops the run, naming the step; the last good checkpoint stays.
+changed flags that define the run, and extends a finished run given a larger --steps. A non-finite loss stops the
+run, naming the step; the last good checkpoint stays.
 """
 
 import argparse
@@ -286,8 +287,9 @@ def cuda_graph(fn, warmups=3):
     host's time per call drops to ~1 ms (a compiled quantized d12 micro-batch keeps the host ~100 ms busy without
     it). The warm-up calls (which compile) run on a side stream, as torch.cuda.graph requires. Randomness drawn on the
     device is drawn anew on each replay (CUDA's generator is graph-safe); gradients that exist before the capture
-    are added into in place (train.py's accumulation), ones made during it live in the graph's memory. Captured whole, fn frees its temporaries inside the graph's own memory as it
-    goes: a captured d12 micro-batch needed no more memory than an uncaptured one (H200, NOTES.md)."""
+    are added into in place (train.py's accumulation), ones made during it live in the graph's memory. Captured
+    whole, fn frees its temporaries inside the graph's own memory as it goes: a captured d12 micro-batch needed no
+    more memory than an uncaptured one (H200, NOTES.md)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
