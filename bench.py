@@ -171,6 +171,8 @@ def bench_kernels(args):
                                         packed + fp32_scales + scales + bf16),
         "MS-EDEN x and x^T (all)": (lambda: kernels.triton_ms_eden_pair(x, signs128),
                                     2 + 2 * (2 * (packed + fp32_scales) + scales + bf16)),
+        "re-quantize phase 1": (lambda: kernels.eden_phase1_requantize(saved, signs128),
+                                packed + scales + packed + fp32_scales),
         "re-quantize NVFP4 -> MS-EDEN^T (all)": (lambda: kernels.triton_requantize_ms_eden(saved, signs128),
                                                  packed + scales + 2 * (packed + fp32_scales) + scales + bf16),
         "dequantize to BF16": (lambda: kernels.triton_dequantize(saved, torch.bfloat16), packed + scales + bf16),
