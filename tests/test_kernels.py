@@ -148,7 +148,7 @@ def kernel_ms_eden(x, generator):
 @pytest.mark.parametrize("quantizer,name", [(kernel_sr, "SR (fp4_max 6*16/17)"), (kernel_ms_eden, "MS-EDEN")])
 def test_random_kernels_match_reference_error_and_are_unbiased(quantizer, name):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(128, 512, generator=g)
+    x = torch.randn(128, 256, generator=g)  # 2048 groups: each kernel call runs ~2 s in the interpreter
     reference_quantizer, _ = bench.QUANTIZERS[name]
     draws = 8
     ours = torch.tensor([bench.relative_error(quantizer(x, g), x) for _ in range(draws)])
@@ -158,7 +158,9 @@ def test_random_kernels_match_reference_error_and_are_unbiased(quantizer, name):
     # other side of a rounding boundary (the phase-one tests bound that to 5e-4 of the codes).
     sigma = ((ours.var() + theirs.var()) / draws).sqrt()
     assert abs(ours.mean() - theirs.mean()) <= 4 * sigma + 0.01 * theirs.mean()
-    # unbiased: B * error(mean of B) stays flat (see tests/test_quantize.py for the tolerance)
+    # unbiased: B * error(mean of B) stays flat. error(mean of B) = variance / B + bias^2; over 2048 independent
+    # groups B * error(B) / error(1) fluctuates by about sqrt(2 / 2048) ~ 3%, so +-15% is a 5-sigma band, which a
+    # bias with bias^2 / variance > 0.15 / B leaves
     errors = bench.concentration(quantizer, x, [1, 4, 16, 32], g)
     growth = [errors[b] * b / errors[1] for b in errors]
     assert all(0.85 < r < 1.15 for r in growth), growth
