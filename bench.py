@@ -10,7 +10,8 @@ Measurements. Every number in the README comes from one of these commands:
 
 Each prints a short table; --json PATH writes the same rows as JSON. GPU times are medians of CUDA-event timings
 after warm-up (triton.testing.do_bench; a training step: the median of --calls back-to-back micro-batches, with
-their spread, and the host's own time to issue one); ratios compare numbers measured in the same run. On GPUs
+their spread, and the host's own time to issue one; `linear` and `train` take --cuda-graph to time replays of a
+captured forward + backward, as train.py runs on one GPU); ratios compare numbers measured in the same run. On GPUs
 without FP4 tensor cores (anything before Blackwell) the NVFP4 GEMMs are emulated in BF16, and the tables say so.
 
 Quantizer error is ||x - q(x)||^2 / ||x||^2 on an N(0,1) tensor. Unbiasedness shows as concentration: the mean of B
