@@ -212,10 +212,10 @@ def _pack(codes, ROWS: tl.constexpr, COLS: tl.constexpr):
 
 @triton.jit
 def _pack_words(groups, ROWS: tl.constexpr):
-    """[ROWS, 8, 16] 4-bit codes, a group's 16 in one thread -> [ROWS, 16] int32, 8 codes per word, the first in the
-    low nibble: the bytes _pack would make, read as little-endian words. Packed inside each thread, the store's
-    layout conversion moves 4-byte words instead of single bytes: the re-quantization's first pass ran 7% faster
-    (H200, NOTES.md)."""
+    """[ROWS, 8, 16] 4-bit codes -> [ROWS, 16] int32, 8 codes per word, the first in the low nibble: the bytes _pack
+    would make, read as little-endian words. With each group in one thread (phase one's grouped order) the words are
+    packed without moving data, and the store's layout conversion moves 4-byte words instead of single bytes: the
+    re-quantization's first pass ran 7% faster (H200, NOTES.md)."""
     nibbles = tl.reshape(groups, (ROWS, 16, 8)) << (4 * tl.arange(0, 8))[None, None, :]
     return tl.sum(nibbles, axis=2)  # disjoint bit fields: the sum is their OR
 
