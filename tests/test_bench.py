@@ -90,3 +90,10 @@ def test_refuses_a_cuda_graph_inside_a_cuda_graph(capsys, command):
     with pytest.raises(SystemExit):
         bench.main([command, "--cuda-graph", "--compile-mode", "reduce-overhead"])
     assert "--cuda-graph captures the compiled step itself" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+def test_linear_times_captured_layers():
+    rows = bench.main(["linear", "--only", "d12", "--tokens", "4096", "--cuda-graph"])
+    assert [row["layer"] for row in rows] == ["d12 fc", "d12 proj"]
+    assert all(row["cuda_graph"] and row["bf16_ms"] > 0 and 0 < row["quartet2_ratio"] < 100 for row in rows)
