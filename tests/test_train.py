@@ -154,8 +154,9 @@ def test_deterministic_holds_for_the_run_only(small_data, tmp_path, monkeypatch)
         return train_recipe(*args, **kwargs)
     monkeypatch.setattr(train, "train_recipe", spy)
     common = ("--steps", "1", "--recipe", "bf16")
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
     assert run(tiny_args(small_data, tmp_path / "on", *common, "--deterministic")) is None
-    assert not torch.are_deterministic_algorithms_enabled()
+    assert not torch.are_deterministic_algorithms_enabled() and "CUBLAS_WORKSPACE_CONFIG" not in os.environ
     assert run(tiny_args(small_data, tmp_path / "off", *common)) is None
     assert seen == [True, False]
 
