@@ -779,8 +779,9 @@ def deterministic(enabled):
     """With enabled, PyTorch's deterministic algorithms (and cuBLAS's fixed workspace, which they require) inside the
     block, the previous setting after it; torch.empty stays unfilled (filling every new tensor with NaN, as that mode
     does by default, would cost a write per byte)."""
-    previous = (torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory,
-                os.environ.get("CUBLAS_WORKSPACE_CONFIG"))
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
+    was_filling = torch.utils.deterministic.fill_uninitialized_memory
+    had_workspace = "CUBLAS_WORKSPACE_CONFIG" in os.environ
     if enabled:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any GEMM
         torch.use_deterministic_algorithms(True)
@@ -788,9 +789,9 @@ def deterministic(enabled):
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(previous[0])
-        torch.utils.deterministic.fill_uninitialized_memory = previous[1]
-        if previous[2] is None:
+        torch.use_deterministic_algorithms(was_deterministic)
+        torch.utils.deterministic.fill_uninitialized_memory = was_filling
+        if not had_workspace:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
