@@ -186,9 +186,9 @@ def _abs_bits(x):
 
 
 @triton.jit
-def _tensor_scale(amax_ptr, limit):
+def _tensor_scale(amax_bits, limit):
     """As quantize.tensor_scale_for: amax / limit; 1 below MIN_TENSOR_SCALE; NaN if amax is not finite."""
-    amax = tl.load(amax_ptr).to(tl.float32, bitcast=True)
+    amax = amax_bits.to(tl.float32, bitcast=True)
     scale = tl.math.div_rn(amax, limit)
     scale = tl.where(scale < _MIN_TENSOR_SCALE, 1.0, scale)
     return tl.where(amax < float("inf"), scale, float("nan"))
@@ -306,12 +306,9 @@ def _grouped(sums, ROWS: tl.constexpr):
 @triton.jit
 def _saturate(tile):
     """Finite values beyond +-ROTATION_LIMIT saturate there (as eden.rht), so that a rotation cannot overflow; Inf
-    and NaN stay. The elementwise work runs only for a tile that holds such a value (or Inf or NaN): almost never.
-    The test is one maximum over the whole tile (each thread's values, then across threads)."""
-    if tl.max(tl.abs(tile)) > _ROTATION_LIMIT:
-        saturated = tl.minimum(tl.maximum(tile, -_ROTATION_LIMIT), _ROTATION_LIMIT)
-        tile = tl.where((tl.abs(tile) == float("inf")) | (tile != tile), tile, saturated).to(tile.dtype)
-    return tile
+    and NaN stay. Called only where _SATURATION_TEST failed: almost never."""
+    saturated = tl.minimum(tl.maximum(tile, -_ROTATION_LIMIT), _ROTATION_LIMIT)
+    return tl.where((tl.abs(tile) == float("inf")) | (tile != tile), tile, saturated).to(tile.dtype)
 
 
 @triton.jit
@@ -407,14 +404,19 @@ def _quantize_kernel(
     (2); with the amax pass, ~6.6 B/element."""
     row0 = tl.program_id(0) * ROWS
     col0 = tl.program_id(1) * _HADAMARD
+    amax_bits = tl.load(amax_ptr)  # of what is quantized: for the tensor scale, and the saturation test below
     tile = _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS, _HADAMARD, TRANSPOSE).to(tl.float32)
     if ROTATION > 0:
-        tile = _rotate(_saturate(tile), _rotation_matrix(signs_ptr, ROTATION), ROTATION, DOT_FP32)
+        # The amax pass rotated this tensor and tested its rotated values (_SATURATION_TEST): only if they failed
+        # can an input need saturating. A test of the loaded maximum: no reduction over the tile.
+        if not (amax_bits.to(tl.float32, bitcast=True) <= _SATURATION_TEST * (ROTATION**-0.5)):
+            tile = _saturate(tile)
+        tile = _rotate(tile, _rotation_matrix(signs_ptr, ROTATION), ROTATION, DOT_FP32)
     groups = tl.reshape(tile, (ROWS // 16, 16, 8, 16))  # [16-row blocks, row in block, group, element]
     group_amax = tl.max(tl.abs(groups), axis=3, keep_dims=True)
     if TILE16:
         group_amax = tl.max(group_amax, axis=1, keep_dims=True)
-    tensor_scale = _tensor_scale(amax_ptr, fp8_max * fp4_max)
+    tensor_scale = _tensor_scale(amax_bits, fp8_max * fp4_max)
 
     noise, noise4 = None, None  # round to nearest
     if STOCHASTIC:
@@ -592,7 +594,7 @@ def _eden_finish(corrected_ptr, amax_ptr, codes_ptr, scales_ptr, scaled_ptr, ten
     E4M3 stochastic rounding of each corrected scale, and code * group_scale for the emulated GEMM."""
     group = block * GROUPS + tl.arange(0, GROUPS)
     valid = group < n_groups
-    tensor_scale = _tensor_scale(amax_ptr, _EDEN_FP8_MAX)
+    tensor_scale = _tensor_scale(tl.load(amax_ptr), _EDEN_FP8_MAX)
     target = tl.math.div_rn(tl.load(corrected_ptr + group, mask=valid, other=0.0), tensor_scale)
     scale = _e4m3_round(target, tl.rand(seed, counter0 + group))
     tl.store(scales_ptr + group, _e4m3_bits(scale), mask=valid)
