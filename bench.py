@@ -9,9 +9,11 @@ Measurements. Every number in the README comes from one of these commands:
     python bench.py study    # train.py for recipes x seeds and the comparison table (GPU)
 
 Each prints a short table; --json PATH writes the same rows as JSON. GPU times are medians of CUDA-event timings
-after warm-up (triton.testing.do_bench; a training step: the median of --calls back-to-back micro-batches, with
-their spread, and the host's own time to issue one; `linear` and `train` take --cuda-graph to time replays of a
-captured forward + backward, as train.py runs on one GPU); ratios compare numbers measured in the same run. On GPUs
+after warm-up (triton.testing.do_bench; `kernels` times replays of a CUDA graph of many calls, the copy too, so that
+the host's launches between a call's kernels do not count, as in train.py's captured micro-batches; a training
+step: the median of --calls back-to-back micro-batches, with their spread, and the host's own time to issue one;
+`linear` and `train` take --cuda-graph to time replays of a captured forward + backward, as train.py runs on one
+GPU); ratios compare numbers measured in the same run. On GPUs
 without FP4 tensor cores (anything before Blackwell) the NVFP4 GEMMs are emulated in BF16, and the tables say so.
 
 Quantizer error is ||x - q(x)||^2 / ||x||^2 on an N(0,1) tensor. Unbiasedness shows as concentration: the mean of B
@@ -110,6 +112,13 @@ def median_ms(fn):
     return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
 
 
+def replay_ms(fn):
+    """ms per call of fn, timed as replays of a CUDA graph of back-to-back calls (the median of 10 replays): the
+    GPU's time, without the host's launches in between, as train.py runs a captured micro-batch."""
+    import triton.testing
+    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+
+
 def call_times_ms(fn, calls):
     """ms of each of `calls` back-to-back calls of fn, timed by CUDA events between them: as in training, the next
     call's host work overlaps the GPU's, and the caches are not flushed in between."""
@@ -140,7 +149,7 @@ def copy_bandwidth(numel, device):
     """Device-to-device copy of `numel` BF16 elements: bytes read + written per second."""
     source = torch.randn(numel, device=device, dtype=torch.bfloat16)
     target = torch.empty_like(source)
-    return 4 * numel / (median_ms(lambda: target.copy_(source)) * 1e-3)
+    return 4 * numel / (replay_ms(lambda: target.copy_(source)) * 1e-3)
 
 
 def bench_kernels(args):
@@ -182,7 +191,7 @@ def bench_kernels(args):
     print(f"{'kernel':<38}{'ms':>8}{'B/elt':>7}{'TB/s':>7}{'% copy':>8}")
     rows_out = []
     for name, (fn, bytes_per_element) in cases.items():
-        ms = median_ms(fn)
+        ms = replay_ms(fn)
         bandwidth = bytes_per_element * numel / (ms * 1e-3)
         rows_out.append(dict(kernel=name, ms=ms, bytes_per_element=bytes_per_element, tb_per_s=bandwidth / 1e12,
                              fraction_of_copy=bandwidth / copy))
