@@ -407,8 +407,9 @@ def _quantize_kernel(
     amax_bits = tl.load(amax_ptr)  # of what is quantized: for the tensor scale, and the saturation test below
     tile = _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS, _HADAMARD, TRANSPOSE).to(tl.float32)
     if ROTATION > 0:
-        # The amax pass rotated this tensor and tested its rotated values (_SATURATION_TEST): only if they failed
-        # can an input need saturating. A test of the loaded maximum: no reduction over the tile.
+        # The amax pass found the largest rotated value of the whole tensor (after saturating, where its test
+        # failed, and then it fails this one too): tested here (_SATURATION_TEST), it saves a reduction over the
+        # tile. Only if it fails can an input need saturating.
         if not (amax_bits.to(tl.float32, bitcast=True) <= _SATURATION_TEST * (ROTATION**-0.5)):
             tile = _saturate(tile)
         tile = _rotate(tile, _rotation_matrix(signs_ptr, ROTATION), ROTATION, DOT_FP32)
