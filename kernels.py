@@ -312,6 +312,13 @@ def _saturate(tile):
 
 
 @triton.jit
+def _rotated_within_test(amax_bits, N: tl.constexpr):
+    """Whether a largest |rht| (int32 bits of a normalized N-wide rotation's maximum) passes _SATURATION_TEST, so
+    that no input of the rotation needed saturating (a NaN fails)."""
+    return amax_bits.to(tl.float32, bitcast=True) <= _SATURATION_TEST * (N**-0.5)
+
+
+@triton.jit
 def _rotate(tile, rotation, N: tl.constexpr, DOT_FP32: tl.constexpr, NORMALIZE: tl.constexpr = True):
     """rht(tile) for tile [rows, 128] and rotation = _rotation_matrix(signs, N): each N-chunk of a row times the
     [N, N] matrix (the tile seen as [rows * 128 / N, N]); the sum of +-x runs on tensor cores in FP32 (exact
@@ -358,7 +365,7 @@ def _rotated_amax_kernel(x_ptr, stride_r, stride_c, signs_ptr, amax_ptr,  # in: 
                       _HADAMARD, TRANSPOSE)
     rotation = _rotation_matrix(signs_ptr, N)
     amax = tl.max(tl.max(_abs_bits(_rotate(tile, rotation, N, DOT_FP32)), axis=1), axis=0)
-    if not (amax.to(tl.float32, bitcast=True) <= _SATURATION_TEST * (N**-0.5)):  # see _SATURATION_TEST (NaN fails)
+    if not _rotated_within_test(amax, N):
         amax = tl.max(tl.max(_abs_bits(_rotate(_saturate(tile), rotation, N, DOT_FP32)), axis=1), axis=0)
     tl.atomic_max(amax_ptr, amax)
 
@@ -408,9 +415,9 @@ def _quantize_kernel(
     tile = _load_tile(x_ptr, stride_r, stride_c, row0, col0, ROWS, _HADAMARD, TRANSPOSE).to(tl.float32)
     if ROTATION > 0:
         # The amax pass found the largest rotated value of the whole tensor (after saturating, where its test
-        # failed, and then it fails this one too): tested here (_SATURATION_TEST), it saves a reduction over the
-        # tile. Only if it fails can an input need saturating.
-        if not (amax_bits.to(tl.float32, bitcast=True) <= _SATURATION_TEST * (ROTATION**-0.5)):
+        # failed, and then it fails this one too): the same test on it saves a reduction over the tile. Only if it
+        # fails can an input need saturating.
+        if not _rotated_within_test(amax_bits, ROTATION):
             tile = _saturate(tile)
         tile = _rotate(tile, _rotation_matrix(signs_ptr, ROTATION), ROTATION, DOT_FP32)
     groups = tl.reshape(tile, (ROWS // 16, 16, 8, 16))  # [16-row blocks, row in block, group, element]
