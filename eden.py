@@ -162,7 +162,7 @@ def quantize_ms_eden(x, signs, generator=None):
     the GEMM), or undo the rotation with inverse_rht(result.dequantize(), signs)."""
     check_signs(signs, HADAMARD)
     check_quantizable(x, HADAMARD, what="quantize_ms_eden")
-    values, corrected_scale = eden_groups(rht(x, signs))
+    values, corrected_scale = eden_groups(rht(x.detach(), signs))  # no gradient, as quantize_nvfp4
     tensor_scale = tensor_scale_for(corrected_scale.max(), EDEN_FP8_MAX)
     group_scale = e4m3_stochastic_round(corrected_scale / tensor_scale, generator)
     codes = pack_codes(encode_e2m1(values.flatten(-2)))

@@ -94,7 +94,7 @@ ROUNDINGS = ("rtn", "sr")
 # max 448. One function rounds to either.
 
 
-def _round_to_grid(x, mantissa_bits, min_exponent, max_value, noise=None):
+def round_to_grid(x, mantissa_bits, min_exponent, max_value, noise=None):
     """Round x (float32) to the grid; nearest-even if noise is None, else stochastically (noise ~ U[0,1))."""
     magnitude = x.abs().clamp(max=max_value)  # saturate; NaN stays NaN
     _, frexp_exponent = torch.frexp(magnitude)  # magnitude = mantissa * 2^frexp_exponent, mantissa in [0.5, 1)
@@ -119,19 +119,19 @@ def sr_noise(shape, generator=None, device=None):
 
 def e2m1_round(x, noise=None):
     """Round float32 values to the E2M1 grid {0, 0.5, ..., 6}, saturating at +-6 (stochastically given noise)."""
-    return _round_to_grid(x, 1, 0, E2M1_MAX, noise)
+    return round_to_grid(x, 1, 0, E2M1_MAX, noise)
 
 
 def e4m3_round(x):
     """Round float32 values to the nearest E4M3 value (ties to even), saturating at +-448; returns float32."""
-    return _round_to_grid(x.float(), 3, -6, E4M3_MAX)
+    return round_to_grid(x.float(), 3, -6, E4M3_MAX)
 
 
 def e4m3_stochastic_round(x, generator=None):
     """Round float32 values up or down to a neighbouring E4M3 value, unbiased inside [-448, 448]."""
     x = x.float()
     noise = torch.rand(x.shape, generator=generator, device=x.device)
-    return _round_to_grid(x, 3, -6, E4M3_MAX, noise)
+    return round_to_grid(x, 3, -6, E4M3_MAX, noise)
 
 
 # -----------------------------------------------------------------------------
@@ -186,6 +186,28 @@ class NVFP4Tensor:
     shape: torch.Size
     block: str = "1x16"
     scaled_codes: Optional[torch.Tensor] = None
+
+    def __post_init__(self):
+        """Refuse parts that do not fit together (a kernel reading them would read garbage or past their end)."""
+        self.shape = torch.Size(self.shape)
+        if self.block not in BLOCKS or len(self.shape) < (1 if self.block == "1x16" else 2):
+            raise ValueError(f"NVFP4Tensor: block must be one of {BLOCKS} (16x16 needs 2 dimensions), got "
+                             f"{self.block!r} for shape {tuple(self.shape)}")
+        *lead, cols = self.shape
+        scale_shape = (*lead, cols // GROUP) if self.block == "1x16" else (*lead[:-1], lead[-1] // GROUP, cols // GROUP)
+        expected = dict(codes=(torch.uint8, (*lead, cols // 2)), group_scale=(torch.float8_e4m3fn, scale_shape),
+                        tensor_scale=(torch.float32, None))
+        for name, (dtype, shape) in expected.items():
+            part = getattr(self, name)
+            if not isinstance(part, torch.Tensor) or part.dtype != dtype or (
+                    part.shape != shape if shape else part.numel() != 1) or part.device != self.codes.device:
+                described = f"{part.dtype} {tuple(part.shape)} on {part.device}" if isinstance(part, torch.Tensor) \
+                    else type(part).__name__
+                raise ValueError(f"NVFP4Tensor of shape {tuple(self.shape)} ({self.block}): {name} must be {dtype} "
+                                 f"{shape or '(one element)'} on {self.codes.device}, got {described}")
+        if self.scaled_codes is not None and self.scaled_codes.shape != self.shape:
+            raise ValueError(f"NVFP4Tensor: scaled_codes must have the shape {tuple(self.shape)}, got "
+                             f"{tuple(self.scaled_codes.shape)}")
 
     def element_scales(self):
         """group_scale expanded to one float32 per element: [..., R, C]."""
@@ -300,6 +322,7 @@ def quantize_nvfp4(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max
     fp8_max = default_fp8_max(four_over_six) if fp8_max is None else fp8_max
     check_quantizer(rounding, block, fp4_max, fp8_max, four_over_six)
     check_quantizable(x, GROUP, dims=1 if block == "1x16" else 2)
+    x = x.detach()  # no gradient: through the tensor scale alone it would be meaningless
 
     groups = to_groups(x.float(), block)  # [..., groups, 16 or 256]
     group_amax = groups.abs().amax(-1, keepdim=True)
