@@ -58,8 +58,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-import kernels as ops
-from eden import HADAMARD, random_signs
+import kernels
+from eden import HADAMARD
 from quantize import E2M1_MAX, SR_FP4_MAX, NVFP4Tensor
 
 GPT2_VOCAB = 50257
@@ -106,8 +106,8 @@ class Recipe:
                 rotation(self.e_dw) != rotation(self.x_dw):
             raise ValueError(f"a rotation must be shared by both operands of a backward GEMM: {self}")
 
-    def rotations(self):
-        return {q.rotation for q in (self.e_dx, self.w_dx, self.e_dw, self.x_dw) if q and q.rotation}
+    def rotated(self):
+        return any(q and q.rotation for q in (self.e_dx, self.w_dx, self.e_dw, self.x_dw))
 
 
 RECIPES = {
@@ -151,46 +151,48 @@ def saved(t, requantizer):
     return t.packed() if isinstance(t, NVFP4Tensor) and requantizer is not None else t
 
 
-def quantize(t, q, signs, transpose=False):
-    """t (t^T with transpose) quantized by q along its last dimension, as an NVFP4Tensor; t itself if q is None."""
+def quantize_operand(t, q, signs, transpose=False):
+    """t (t^T with transpose) quantized by q along its last dimension, as an NVFP4Tensor; t itself if q is None. A
+    rotation of n elements takes the first n of the 128 signs."""
     if q is None:
         return t.t() if transpose else t
     if q.rounding == "eden":  # the kernel makes both orientations from one read of t
-        return ops.ms_eden_pair(t, signs[HADAMARD])[1 if transpose else 0]
-    return ops.quantize(t, q.rounding, q.four_over_six, q.block, SR_FP4_MAX if q.rounding == "sr" else E2M1_MAX,
-                        transpose, signs[q.rotation] if q.rotation else None)
+        return kernels.ms_eden_pair_op(t, signs)[1 if transpose else 0]
+    fp4_max = SR_FP4_MAX if q.rounding == "sr" else E2M1_MAX
+    return kernels.quantize_op(t, q.rounding, q.four_over_six, q.block, fp4_max, transpose,
+                               signs=signs[:q.rotation] if q.rotation else None)
 
 
 def quantize_gradient(e, e_dx, e_dw, signs):
     """(E for dX along out, E^T for dW along T): for MS-EDEN both from one read of E."""
     if e_dx == e_dw == EDEN:
-        return ops.ms_eden_pair(e, signs[HADAMARD])
-    return quantize(e, e_dx, signs), quantize(e, e_dw, signs, transpose=True)
+        return kernels.ms_eden_pair_op(e, signs)
+    return quantize_operand(e, e_dx, signs), quantize_operand(e, e_dw, signs, transpose=True)
 
 
 def requantize_transposed(t, q, signs, dtype):
     """The transpose of a saved forward operand t (an NVFP4Tensor, or BF16 if the forward did not quantize it),
     quantized by q; as it is if q is None (a 16x16 tensor transposes exactly, others as their values)."""
     if not isinstance(t, NVFP4Tensor):
-        return quantize(t, q, signs, transpose=True)
+        return quantize_operand(t, q, signs, transpose=True)
     if q is None:
         return t.t() if t.block == "16x16" else values(t).t()
     if q == EDEN:
-        return ops.requantize_ms_eden(t, signs[HADAMARD], dtype)
-    return quantize(values(t), q, signs, transpose=True)
+        return kernels.requantize_ms_eden_op(t, signs, dtype)
+    return quantize_operand(values(t), q, signs, transpose=True)
 
 
 def matmul(a, b, dtype):
     """a @ b^T: two NVFP4Tensors through nvfp4_mm (native on Blackwell), anything else on its values in dtype."""
     if isinstance(a, NVFP4Tensor) and isinstance(b, NVFP4Tensor):
-        return ops.nvfp4_mm(a, b, dtype)
+        return kernels.nvfp4_mm(a, b, dtype)
     a, b = (values(t).to(dtype) if isinstance(t, NVFP4Tensor) else t.to(dtype) for t in (a, b))
     return a @ b.t()
 
 
 def values(q):
     """An NVFP4Tensor's values, code * group_scale * tensor_scale, in FP32."""
-    scaled = ops.dequantize(q, tensor_scale=False) if q.scaled_codes is None else q.scaled_codes.float()
+    scaled = kernels.dequantize_op(q, tensor_scale=False) if q.scaled_codes is None else q.scaled_codes.float()
     return scaled * q.tensor_scale
 
 
@@ -227,7 +229,7 @@ class RecipeLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w, name):  # x [T, in], w [out, in]; name: a key of RECIPES
         recipe = RECIPES[name]
-        xq, wq = quantize(x, recipe.x, {}), quantize(w, recipe.w, {})  # along in
+        xq, wq = quantize_operand(x, recipe.x, None), quantize_operand(w, recipe.w, None)  # along in
         ctx.recipe = recipe
         save_for_backward(ctx, saved(x if recipe.x_dw_bf16 else xq, recipe.x_dw), saved(wq, recipe.w_dx))
         return matmul(xq, wq, x.dtype)  # [T, out]
@@ -237,7 +239,7 @@ class RecipeLinear(torch.autograd.Function):
     def backward(ctx, e):  # e [T, out]
         recipe = ctx.recipe
         x, w = saved_tensors(ctx)
-        signs = {n: random_signs(n, device=e.device) for n in recipe.rotations()}  # fresh per call, shared
+        signs = kernels.draw_signs(e) if recipe.rotated() else None  # fresh per call, shared by the four operands
         e_dx, e_dw = quantize_gradient(e, recipe.e_dx, recipe.e_dw, signs)  # [T, out] along out, [out, T] along T
         dx = matmul(e_dx, requantize_transposed(w, recipe.w_dx, signs, e.dtype), e.dtype)  # [T, in]
         dw = matmul(e_dw, requantize_transposed(x, recipe.x_dw, signs, e.dtype), e.dtype)  # [out, in]
