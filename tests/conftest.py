@@ -34,6 +34,28 @@ def small_data(tmp_path_factory):
     return str(folder)
 
 
+def random_gpt(recipe, seed=0):
+    """A depth-2 GPT of the recipe with every weight random (none zero-initialized: every gradient is non-trivial),
+    and a batch of 2 x 65 tokens."""
+    from model import GPT
+    torch.manual_seed(seed)
+    gpt = GPT(2, recipe, max_seq_len=64)
+    with torch.no_grad():  # no zero-initialized layers: every gradient is non-trivial
+        for p in gpt.parameters():
+            p.normal_(0, 0.05)
+    return gpt, torch.randint(0, 50257, (2, 65), generator=torch.Generator().manual_seed(seed))
+
+
+def forward_backward(gpt, runner, tokens, seed):
+    """(loss, gradients) of one forward + backward through runner (gpt or a compiled gpt), from torch seed `seed`."""
+    torch.manual_seed(seed)
+    loss = runner(tokens[:, :-1], tokens[:, 1:])
+    loss.backward()
+    grads = [p.grad.clone() for p in gpt.parameters()]
+    gpt.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
 def free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

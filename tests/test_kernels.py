@@ -254,8 +254,9 @@ def test_eden_phase1_grid_covers_every_job(multiprocessors):
 
 @pytest.mark.parametrize("sub", [32, 128])
 def test_eden_phase1_jobs_of_any_height(sub, monkeypatch):
-    # Phase one cuts each 128x128 tile into jobs of EDEN_SUB rows (and columns); every height gives the same result.
-    monkeypatch.setattr(kernels, "EDEN_SUB", sub)
+    # Phase one cuts each 128x128 tile into jobs of some rows (and columns); every height gives the same result.
+    monkeypatch.setattr(kernels, "EDEN_LAUNCH", {kind: {size: (sub, *launch[1:]) for size, launch in sizes.items()}
+                                                 for kind, sizes in kernels.EDEN_LAUNCH.items()})
     x = varied(384, 256, seed=13)
     signs = random_signs(generator=torch.Generator().manual_seed(13))
     rows, cols = kernels.eden_phase1(x, signs.to(DEVICE))
@@ -350,72 +351,6 @@ def test_emulated_gemm_equals_product_of_dequantized_operands():
         assert ((out - reference).norm() / reference.norm()).item() < 2 ** -8
 
 
-# --- the native Blackwell GEMM, simulated ----------------------------------------------------------------------------
-
-def cublas_nvfp4_mm(mat_a, mat_b, scale_a, scale_b, **_):
-    """What cuBLAS computes from scaled_mm's arguments, decoded byte by byte from its documentation: mat_a [M, K/2]
-    and mat_b^T [N, K/2] hold two E2M1 codes per byte (element 2k in the low nibble); scale [0] is E4M3, one per 16
-    elements of a row along K, stored in 128x4 tiles (tile (i, j) covers rows 128i.. and scale columns 4j..; tiles in
-    row-major order, 512 bytes each; row r, column c of a tile at byte (r % 32) * 16 + (r // 32) * 4 + c); scale[1]
-    is the FP32 tensor scale."""
-    def decode(packed, scales):
-        bytes_ = packed.view(torch.uint8).long()
-        rows, k = bytes_.shape[0], bytes_.shape[1] * 2
-        codes = torch.zeros(rows, k, dtype=torch.long)
-        codes[:, 0::2], codes[:, 1::2] = bytes_ & 15, bytes_ >> 4
-        blocked, tensor_scale = scales[0].view(torch.uint8), scales[1]
-        col_tiles = -(-(k // 16) // 4)
-        r = torch.arange(rows)[:, None]
-        c = (torch.arange(k) // 16)[None, :]
-        index = ((r // 128) * col_tiles + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
-        group_scale = blocked[index].view(torch.float8_e4m3fn).double()
-        return decode_e2m1(codes.to(torch.uint8)).double() * group_scale * tensor_scale.double()
-    return decode(mat_a, scale_a) @ decode(mat_b.t(), scale_b).t()
-
-
-def exact_values(q):
-    """code * group_scale * tensor_scale in FP64, where it is exact."""
-    return decode_e2m1(unpack_codes(q.codes)).double() * q.element_scales().double() * q.tensor_scale.double()
-
-
-@pytest.mark.parametrize("m,n,k", [(128, 128, 128), (192, 64, 96), (320, 48, 160)])
-def test_native_gemm_arguments_decode_to_the_same_product(m, n, k):
-    g = torch.Generator().manual_seed(8)
-    a = quantize_nvfp4(torch.randn(m, k, generator=g) * 5, four_over_six=True)
-    b = quantize_nvfp4(torch.randn(n, k, generator=g))
-    w = quantize_nvfp4(torch.randn(k, n, generator=g), block="16x16").t()  # a 16x16 operand, transposed
-    for right in (b, w):
-        simulated = cublas_nvfp4_mm(**kernels.native_mm_args(a, right))
-        reference = exact_values(a) @ exact_values(right).t()
-        # the same exact products, summed in another order: FP64 round-off only (a misplaced scale gives O(1))
-        assert ((simulated - reference).abs().max() / reference.abs().max()).item() < 1e-13
-
-
-def test_blocked_layout_places_every_scale_where_cublas_reads_it():
-    rows, cols = 200, 7  # both padded: to 256 rows (two tile rows) and 8 columns (two tile columns)
-    scales = torch.randint(1, 127, (rows, cols), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
-    blocked = kernels.blocked_scales(scales.view(torch.float8_e4m3fn)).view(torch.uint8)
-    assert blocked.numel() == 256 * 8
-    r, c = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
-    index = ((r // 128) * 2 + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4  # as documented
-    assert torch.equal(blocked[index], scales)  # every scale where cuBLAS reads it
-    padding = torch.ones(256 * 8, dtype=torch.bool)
-    padding[index.flatten()] = False
-    assert (blocked[padding] == 0).all() and index.unique().numel() == rows * cols  # the rest is zero padding
-
-
-@pytest.mark.gpu
-def test_native_gemm_on_blackwell_only():
-    device = torch.device("cuda")
-    if not kernels.native_fp4_available(device):
-        pytest.skip("no FP4 tensor cores on this GPU (the arguments are checked by the simulation above)")
-    a = kernels.triton_quantize(torch.randn(256, 512, device=device))
-    b = kernels.triton_quantize(torch.randn(384, 512, device=device))
-    out = kernels.nvfp4_mm(a, b).double().cpu()
-    reference = cpu(a).dequantize().double() @ cpu(b).dequantize().double().t()
-    assert ((out - reference).norm() / reference.norm()).item() < 2 ** -8
-
-
 # --- arguments, dynamic range, and the rounding bit trick ------------------------------------------------------------
 
 def test_entry_points_refuse_bad_arguments():
@@ -426,18 +361,19 @@ def test_entry_points_refuse_bad_arguments():
         with pytest.raises(ValueError, match=message):
             kernels.triton_quantize(x, **bad)
         with pytest.raises(ValueError, match=message):
-            kernels.quantize(x.cpu(), **bad)  # the dispatch checks the same, on every device
+            kernels.quantize_op(x.cpu(), **bad)  # the dispatch checks the same, on every device
     for tensor in (torch.ones(64, 128, dtype=torch.int32), torch.ones(64, 128, dtype=torch.bool)):
         with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
             kernels.triton_quantize(tensor.to(DEVICE))
     with pytest.raises(ValueError, match="signs of length 128"):
         kernels.triton_ms_eden_pair(varied(128, 128), random_signs(16, device=DEVICE))
-    with pytest.raises(ValueError, match="multiple of"):
-        kernels.triton_quantize(torch.empty(0, 128, device=DEVICE))
+    for empty in (torch.empty(0, 128, device=DEVICE), torch.tensor(1.0, device=DEVICE)):
+        with pytest.raises(ValueError, match="non-empty 2-D tensor"):
+            kernels.triton_quantize(empty)
     with pytest.raises(ValueError, match=r"multiple of \[16, 128\]"):
         kernels.triton_dequantize(quantize_nvfp4(torch.randn(16, 16)))
     q = quantize_nvfp4(torch.randn(16, 16))  # a shape the kernel does not tile: the dispatch uses the reference
-    assert torch.equal(kernels.dequantize(q), q.dequantize())
+    assert torch.equal(kernels.dequantize_op(q), q.dequantize())
 
 
 @pytest.mark.parametrize("largest", [1e-45, 1e-38, 1e-33, 3e38])

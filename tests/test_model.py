@@ -8,6 +8,7 @@ import bench
 import kernels
 import model
 import train
+from conftest import forward_backward, random_gpt
 from eden import random_signs
 from model import GPT, RECIPES, Linear, RecipeLinear
 from quantize import SR_FP4_MAX, quantize_nvfp4
@@ -15,7 +16,7 @@ from quantize import SR_FP4_MAX, quantize_nvfp4
 
 def identity_quantizers(monkeypatch):
     """Every quantizer of model.py replaced by the identity (transposed where asked)."""
-    monkeypatch.setattr(model, "quantize", lambda t, q, signs, transpose=False: t.t() if transpose else t)
+    monkeypatch.setattr(model, "quantize_operand", lambda t, q, signs, transpose=False: t.t() if transpose else t)
     monkeypatch.setattr(model, "quantize_gradient", lambda e, e_dx, e_dw, signs: (e, e.t()))
 
 
@@ -97,12 +98,18 @@ def test_backward_is_unbiased_for_the_quantized_forward(recipe):
         assert not quantized or all(0.85 < r / per_gradient[0] < 1.15 for r in per_gradient), growth
 
 
-def test_tetrajet2_draws_one_32_wide_rotation_for_its_four_operands(monkeypatch):
+def test_the_backward_draws_one_rotation_for_its_four_operands(monkeypatch):
     drawn = []
-    monkeypatch.setattr(model, "random_signs", lambda n, device=None: drawn.append(n) or random_signs(n, device=device))
+    draw_signs = kernels.draw_signs
+    monkeypatch.setattr(kernels, "draw_signs", lambda e: drawn.append(e.shape) or draw_signs(e))
+    used = []
+    quantize_op = kernels.quantize_op
+    monkeypatch.setattr(kernels, "quantize_op", lambda *a, signs=None, **k: used.append(signs) or quantize_op(
+        *a, signs=signs, **k))
     x, w = torch.randn(128, 256, requires_grad=True), torch.randn(256, 256, requires_grad=True)
-    RecipeLinear.apply(x, w, "tetrajet2").sum().backward()
-    assert drawn == [32]
+    RecipeLinear.apply(x, w, "tetrajet2").sum().backward()  # a 32-wide rotation of E, W^T, E^T and X^T
+    assert drawn == [(128, 256)] and len(used) == 6 and used[:2] == [None, None]  # one draw, in the backward
+    assert all(torch.equal(signs, used[2]) and len(signs) == 32 for signs in used[2:])
 
 
 def test_nvidia_recipe_gradient_error_is_the_sum_of_its_operands_errors():
@@ -181,24 +188,6 @@ def test_stacked_qkv_weights_stay_separate_parameters():
 
 # --- torch.compile -------------------------------------------------------------------------------------------------
 
-def random_gpt(recipe, seed=0):
-    torch.manual_seed(seed)
-    gpt = GPT(2, recipe, max_seq_len=64)
-    with torch.no_grad():  # no zero-initialized layers: every gradient is non-trivial
-        for p in gpt.parameters():
-            p.normal_(0, 0.05)
-    return gpt, torch.randint(0, 50257, (2, 65), generator=torch.Generator().manual_seed(seed))
-
-
-def forward_backward(gpt, runner, tokens, seed):
-    torch.manual_seed(seed)
-    loss = runner(tokens[:, :-1], tokens[:, 1:])
-    loss.backward()
-    grads = [p.grad.clone() for p in gpt.parameters()]
-    gpt.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 MAIN_RECIPES = ("bf16", "quartet2", "nvidia")  # every recipe is checked; the others among the slow tests
 
 
@@ -240,13 +229,13 @@ def test_operators_pass_opcheck(case):
     g = torch.Generator().manual_seed(7)
     x = torch.randn(256, 128, generator=g)
     signs, seed = random_signs(128, generator=g), torch.tensor([1234])
-    q = kernels.quantize(x, four_over_six=True)
+    q = kernels.quantize_op(x, four_over_six=True)
     args = dict(
-        quantize=(torch.ops.nanoquartet.quantize, (x, None, None, "rtn", True, "1x16", 6.0, False, torch.float32)),
+        quantize=(torch.ops.nanoquartet.quantize, (x, None, None, "rtn", True, "1x16", 6.0, False, torch.float32, True)),
         quantize_sr_rotated=(torch.ops.nanoquartet.quantize, (x, signs[:16], seed, "sr", False, "1x16", SR_FP4_MAX,
-                                                              True, torch.bfloat16)),
-        ms_eden_pair=(torch.ops.nanoquartet.ms_eden_pair, (x, signs, seed, torch.float32)),
+                                                              True, torch.bfloat16, False)),
+        ms_eden_pair=(torch.ops.nanoquartet.ms_eden_pair, (x, signs, seed, torch.float32, True)),
         requantize_ms_eden=(torch.ops.nanoquartet.requantize_ms_eden, (q.codes, q.group_scale.view(torch.uint8),
                                                                        q.tensor_scale, signs,
-                                                                       seed, torch.float32)))[case]
+                                                                       seed, torch.float32, False)))[case]
     torch.library.opcheck(*args)

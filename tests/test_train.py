@@ -89,6 +89,7 @@ def test_validation_windows_are_fixed_and_fill_whole_batches(small_data):
 
 
 def test_streaming_through_datasets_on_a_local_file(tmp_path):
+    pytest.importorskip("datasets", reason="--data hf needs Hugging Face datasets, which is not installed")
     texts = [f"document number {i}." for i in range(7)]
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps(dict(text=t)) + "\n" for t in texts))
@@ -114,6 +115,21 @@ def test_cuda_graph_mode_compiles_without_cudagraph_trees(monkeypatch):
     assert "mode" not in calls[-1] and calls[-1]["fullgraph"]
     train.compile_model(model)
     assert calls[-1]["mode"] == train.COMPILE_MODE and "options" not in calls[-1]
+
+
+@pytest.mark.slow
+def test_many_recipes_and_seeds_train_compiled_in_one_process(small_data, tmp_path, monkeypatch):
+    # Every new model, and evaluation, makes torch.compile compile GPT.forward again; under fullgraph the eighth
+    # recompilation is an error unless each model starts afresh (train.compile_model). Dynamo alone (the "eager"
+    # backend) counts recompilations as Inductor does, in seconds instead of minutes on a CPU.
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda model, **options: compile(
+        model, **{k: v for k, v in options.items() if k not in ("mode", "options")}, backend="eager"))
+    recipes = "bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2"
+    for seed in (0, 1):  # as bench.py study runs its seeds
+        assert run(tiny_args(small_data, tmp_path / f"seed{seed}", "--recipe", recipes, "--steps", "1",
+                             "--eval-every", "1", "--compile", "--seed", str(seed))) is None
+    assert len(losses(tmp_path / "seed1")) == 6
 
 
 def test_tiny_run_writes_metrics_summary_and_plot(small_data, tmp_path):
@@ -165,7 +181,7 @@ def test_capture_bookkeeping_on_a_stand_in_graph(small_data, tmp_path, monkeypat
     # What --cuda-graph does around the graph, on the CPU: a stand-in "graph" that re-runs the captured function on
     # the static token buffer. The run must equal an uncaptured one bit for bit: the warm-up's gradients zeroed, the
     # random state put back after the warm-up and the capture, each replay's loss read before the next.
-    common = ("--recipe", "bf16,quartet2", "--steps", "3")
+    common = ("--recipe", "bf16,quartet2", "--steps", "3", "--device", "cpu")  # on a GPU two runs differ in bits
     assert run(tiny_args(small_data, tmp_path / "uncaptured", *common)) is None
 
     def stand_in(fn, warmups=3):
@@ -339,7 +355,7 @@ def bad_data(tmp_path, name, content):
     (["--lr-matrix", "inf"], "--lr-matrix must be a positive number"),
     (["--device", "foo"], "is not a device"),
     (["--device", "cuda"], "no CUDA GPU"),
-    (["--cuda-graph"], "--cuda-graph runs on one GPU"),
+    (["--cuda-graph", "--device", "cpu"], "--cuda-graph runs on one GPU"),
     (["--depth", "3"], "depth must be a positive even number"),
     (["--seq-len", "100", "--device-batch", "1", "--batch-tokens", "100", "--recipe", "quartet2"], "multiple of 128"),
     (["--data", "hf", "--hf-dataset", "json", "--hf-config", "", "--hf-files", "/nonexistent.jsonl"],
@@ -348,6 +364,8 @@ def bad_data(tmp_path, name, content):
 def test_bad_settings_give_a_one_line_error(argv, expected, tmp_path):
     if (argv == [] or "cuda" in argv) and torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
+    if "hf" in argv and importlib.util.find_spec("datasets") is None:
+        expected = "pip install datasets"  # without the package, that is the one line
     assert_one_line_error(run(argv + ([] if argv == [] else ["--preset", "tiny"]) + ["--out", str(tmp_path)]),
                           expected)
 

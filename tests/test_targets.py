@@ -1,0 +1,332 @@
+"""The GPUs this suite never runs on: every Triton kernel variant the launchers use compiles for Hopper (sm_90) and for
+Blackwell (sm_100, sm_120) within each target's registers and shared memory, and a quantized GPT takes the native
+NVFP4 GEMM through torch.compile's Inductor.
+
+The kernels are compiled, not run. Run as a script (python tests/test_targets.py OUT.json 90 100 120) this file
+imports kernels.py without the interpreter, records every kernel launch of a training step's linear layers (every
+recipe, BF16 and FP32, at the target's launch shapes; launches recorded instead of run) and compiles each with
+Triton for each target, through a stand-in for Triton's GPU driver that names the target, with the launch's own
+grid, constants, warps and register cap; ptxas reports each build's registers, spills and shared memory."""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+
+import eden
+import kernels
+from conftest import forward_backward, random_gpt
+from quantize import decode_e2m1, quantize_nvfp4, unpack_codes
+
+# target -> (multiprocessors, shared memory per multiprocessor, the most one program may take), from NVIDIA's
+# tuning guides: H100/H200, B200, RTX 5090
+TARGETS = {90: (132, 228 * 1024, 227 * 1024), 100: (148, 228 * 1024, 227 * 1024), 120: (170, 100 * 1024, 99 * 1024)}
+REGISTERS_PER_MULTIPROCESSOR = 65536
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# --- the script: record launches, compile them per target -------------------------------------------------------
+
+def record_launches(arch):
+    """Every distinct kernel launch of the linear layers' forward + backward in every recipe, BF16 and FP32, as the
+    launchers would make them on `arch` (a native NVFP4 GEMM from sm_100 on, whose quantizers skip the BF16
+    operand; its refusal by cuBLASLt falls back to the dequantization kernel). Returns [(kernel, grid, args, meta)]."""
+    from triton.runtime.jit import JITFunction
+    import kernels
+    import model
+    multiprocessors, shared, _ = TARGETS[arch]
+    kernels._on_gpu = lambda t: True  # the operators take the kernels' path for CPU tensors,
+    kernels.check_kernel_device = lambda t, what: None  # the launchers accept them,
+    kernels._gpu = lambda device: (multiprocessors, shared)  # and size their launches for the target
+    kernels.native_fp4_available = lambda device: arch >= 100
+    torch.nn.functional.scaled_mm = lambda **arguments: (_ for _ in ()).throw(RuntimeError("no GPU here"))
+    launches, seen = [], set()
+
+    def record(kernel, *args, grid, warmup, **meta):
+        key = (kernel.__name__, tuple(str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__
+                                      for a in args), tuple(sorted(meta.items())))
+        if key not in seen:
+            seen.add(key)
+            launches.append((kernel, grid, args, meta))
+    JITFunction.run = record
+    for dtype in (torch.bfloat16, torch.float32):
+        for recipe in model.RECIPES:
+            x = torch.randn(256, 256, dtype=dtype, requires_grad=True)
+            w = torch.randn(384, 256, dtype=dtype, requires_grad=True)
+            model.RecipeLinear.apply(x, w, recipe).backward(torch.randn(256, 384, dtype=dtype))
+        # MS-EDEN phase one loops over a number of tiles fixed at compile time: a d12 micro-batch's too
+        e = torch.randn(32768, 768, dtype=dtype)
+        kernels.eden_phase1(e, torch.ones(128))
+        kernels.eden_phase1_requantize(kernels.triton_quantize(e, scaled_codes=False), torch.ones(128))
+    return launches
+
+
+def ptxas_resources(compiled, arch):
+    """Registers, stack and spills (bytes) of a compiled kernel, from the ptxas that built it."""
+    import triton
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    ptxas = os.path.join(tools, "ptxas-blackwell" if arch >= 100 else "ptxas")
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
+        source.write(compiled.asm["ptx"])
+        source.flush()
+        log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", source.name, "-o", os.devnull],
+                             capture_output=True, text=True, check=True).stderr
+    stack, stores, loads = map(int, re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes "
+                                              r"spill loads", log).groups())
+    return dict(registers=int(re.search(r"Used (\d+) registers", log).group(1)), stack=stack, spill_stores=stores,
+                spill_loads=loads)
+
+
+def compile_for(arch):
+    """[one row per distinct launch]: kernel, meta-parameters, and the build's resources or its error."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.runtime.jit import JITFunction
+    import kernels
+    run = JITFunction.run  # record_launches replaces it
+
+    class StandIn:  # what a JIT function asks the driver: the target, a device (one per target) and a stream
+        target = GPUTarget("cuda", arch, 32)
+
+        def get_current_target(self):
+            return self.target
+
+        def get_current_device(self):
+            return arch
+
+        def get_current_stream(self, device=None):
+            return 0
+    rows, launches = [], record_launches(arch)
+    triton.runtime.driver.set_active(StandIn())  # this process compiles for arch only
+    for kernel, grid, args, meta in launches:
+        row = dict(arch=arch, kernel=kernel.__name__, meta={k: v for k, v in meta.items() if k != "maxnreg"},
+                   register_cap=meta.get("maxnreg"))
+        try:
+            compiled = run(kernel, *args, grid=grid, warmup=True, **meta)
+            row["shared"] = compiled.metadata.shared
+            if kernel.__name__ == "_eden_kernel":  # its persistent programs share a multiprocessor: their resources
+                row.update(ptxas_resources(compiled, arch))
+                row["programs_per_multiprocessor"] = kernels.eden_launch(torch.device("cuda"), meta["DOT_FP32"])[3]
+        except Exception as error:  # a compiler crash is the finding
+            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        rows.append(row)
+    return rows
+
+
+def main(out, archs):
+    """One process per target (the launchers' patches belong to one target), all at once; the rows to `out`."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    processes = {arch: subprocess.Popen([sys.executable, __file__, "--one", str(arch)], stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, text=True, env=env, cwd=os.path.dirname(HERE))
+                 for arch in archs}
+    rows = []
+    for arch, process in processes.items():
+        stdout, stderr = process.communicate()
+        if process.returncode:
+            raise SystemExit(f"sm_{arch}: {stderr.strip().splitlines()[-1] if stderr.strip() else 'failed'}")
+        rows += json.loads(stdout.strip().splitlines()[-1])
+    with open(out, "w") as f:
+        json.dump(rows, f, indent=1)
+    print(f"{'target':<8}{'kernel':<22}{'shared KB':>10}{'registers':>10}{'spills B':>9}  meta")
+    for r in rows:
+        status = f"{r['shared'] / 1024:>10.1f}" if "error" not in r else f"  FAILED: {r['error']}"
+        if "registers" in r:
+            status += f"{r['registers']:>10}{r['spill_stores']:>9}"
+        print(f"sm_{r['arch']:<5}{r['kernel']:<22}{status}  {r['meta']}")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(HERE))
+    if sys.argv[1] == "--one":
+        rows = compile_for(int(sys.argv[2]))
+        print(json.dumps(rows))
+    else:
+        main(sys.argv[1], [int(a) for a in sys.argv[2:]])
+
+
+# --- the kernels, compiled for each target ----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def builds(tmp_path_factory):
+    out = tmp_path_factory.mktemp("targets") / "builds.json"
+    subprocess.run([sys.executable, __file__, str(out), *map(str, TARGETS)], check=True, cwd=os.path.dirname(HERE))
+    return json.load(open(out))
+
+
+@pytest.mark.slow
+def test_every_kernel_variant_compiles_for_hopper_and_blackwell(builds):
+    failed = [(r["arch"], r["kernel"], r["meta"], r["error"]) for r in builds if "error" in r]
+    assert not failed, failed
+    for arch in TARGETS:  # the same launches everywhere, but on Blackwell without the BF16 operand, plus its fallback
+        kernels_built = {r["kernel"] for r in builds if r["arch"] == arch}
+        assert {"_quantize_kernel", "_eden_kernel", "_eden_finish_kernel", "_amax_kernel",
+                "_rotated_amax_kernel"} <= kernels_built, (arch, kernels_built)
+    assert any(r["kernel"] == "_dequantize_kernel" for r in builds if r["arch"] == 120)  # the emulated fallback
+
+
+@pytest.mark.slow
+def test_every_build_fits_its_target(builds):
+    # What a launch asks of a multiprocessor must be there: shared memory for one program (the most a program may
+    # take) and, for MS-EDEN phase one's persistent programs, registers and shared memory for all the programs a
+    # multiprocessor holds at once (EDEN_LAUNCH).
+    for r in builds:
+        _, shared_per_multiprocessor, shared_per_program = TARGETS[r["arch"]]
+        assert r["shared"] <= shared_per_program, r
+        if r["kernel"] == "_eden_kernel":
+            programs = r["programs_per_multiprocessor"]
+            assert r["registers"] <= r["register_cap"], r
+            assert programs * r["shared"] <= shared_per_multiprocessor, r
+            assert programs * r["meta"]["num_warps"] * 32 * r["register_cap"] <= REGISTERS_PER_MULTIPROCESSOR, r
+    # sm_120's launch shapes were chosen from these builds: its MS-EDEN phase one must not spill (the BF16 rotation
+    # of training; an FP32 rotation runs on FMA units and spills on every target)
+    phase_one = [r for r in builds if r["arch"] == 120 and r["kernel"] == "_eden_kernel" and not r["meta"]["DOT_FP32"]]
+    assert phase_one and all(r["spill_stores"] == 0 for r in phase_one), phase_one
+
+
+# --- the native GEMM, simulated -------------------------------------------------------------------------------------
+
+def cublas_nvfp4_mm(mat_a, mat_b, scale_a, scale_b, **_):
+    """What cuBLAS computes from scaled_mm's arguments, decoded byte by byte from its documentation: mat_a [M, K/2]
+    and mat_b^T [N, K/2] hold two E2M1 codes per byte (element 2k in the low nibble); scale [0] is E4M3, one per 16
+    elements of a row along K, stored in 128x4 tiles (tile (i, j) covers rows 128i.. and scale columns 4j..; tiles in
+    row-major order, 512 bytes each; row r, column c of a tile at byte (r % 32) * 16 + (r // 32) * 4 + c); scale[1]
+    is the FP32 tensor scale."""
+    def decode(packed, scales):
+        bytes_ = packed.view(torch.uint8).long()
+        rows, k = bytes_.shape[0], bytes_.shape[1] * 2
+        codes = torch.zeros(rows, k, dtype=torch.long)
+        codes[:, 0::2], codes[:, 1::2] = bytes_ & 15, bytes_ >> 4
+        blocked, tensor_scale = scales[0].view(torch.uint8), scales[1]
+        col_tiles = -(-(k // 16) // 4)
+        r = torch.arange(rows)[:, None]
+        c = (torch.arange(k) // 16)[None, :]
+        index = ((r // 128) * col_tiles + c // 4) * 512 + (r % 32) * 16 + ((r % 128) // 32) * 4 + c % 4
+        group_scale = blocked[index].view(torch.float8_e4m3fn).double()
+        return decode_e2m1(codes.to(torch.uint8)).double() * group_scale * tensor_scale.double()
+    return decode(mat_a, scale_a) @ decode(mat_b.t(), scale_b).t()
+
+
+def exact_values(q):
+    """code * group_scale * tensor_scale in FP64, where it is exact."""
+    return decode_e2m1(unpack_codes(q.codes)).double() * q.element_scales().double() * q.tensor_scale.double()
+
+
+@pytest.mark.parametrize("m,n,k", [(128, 128, 128), (192, 64, 96), (320, 48, 160)])
+def test_native_gemm_arguments_decode_to_the_same_product(m, n, k):
+    g = torch.Generator().manual_seed(8)
+    a = quantize_nvfp4(torch.randn(m, k, generator=g) * 5, four_over_six=True)
+    b = quantize_nvfp4(torch.randn(n, k, generator=g))
+    w = quantize_nvfp4(torch.randn(k, n, generator=g), block="16x16").t()  # a 16x16 operand, transposed
+    for right in (b, w):
+        simulated = cublas_nvfp4_mm(**kernels.native_mm_args(a, right))
+        reference = exact_values(a) @ exact_values(right).t()
+        # the same exact products, summed in another order: FP64 round-off only (a misplaced scale gives O(1))
+        assert ((simulated - reference).abs().max() / reference.abs().max()).item() < 1e-13
+
+
+def test_blocked_layout_places_every_scale_where_cublas_reads_it():
+    rows, cols = 200, 7  # both padded: to 256 rows (two tile rows) and 8 columns (two tile columns)
+    scales = torch.randint(1, 127, (rows, cols), generator=torch.Generator().manual_seed(9), dtype=torch.uint8)
+    blocked = kernels.blocked_scales(scales.view(torch.float8_e4m3fn)).view(torch.uint8)
+    assert blocked.numel() == 256 * 8
+    r, c = torch.arange(rows)[:, None], torch.arange(cols)[None, :]
+    index = ((r // 128) * 2 + c // 4) * 512 + (r % 32) * 16 + (r % 128 // 32) * 4 + c % 4  # as documented
+    assert torch.equal(blocked[index], scales)  # every scale where cuBLAS reads it
+    padding = torch.ones(256 * 8, dtype=torch.bool)
+    padding[index.flatten()] = False
+    assert (blocked[padding] == 0).all() and index.unique().numel() == rows * cols  # the rest is zero padding
+
+
+def simulated_native_gemm(calls):
+    """A stand-in for torch.nn.functional.scaled_mm on Blackwell: cublas_nvfp4_mm, each call recorded."""
+    def scaled_mm(**arguments):
+        calls.append(arguments)
+        return cublas_nvfp4_mm(**arguments).to(arguments["output_dtype"])
+    return scaled_mm
+
+
+def test_the_native_path_is_taken_on_cuda_builds_of_blackwell_only(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    cuda = torch.device("cuda")
+    for capability, cuda_version, hip_version, expected in (((10, 0), "12.8", None, True), ((12, 0), "13.0", None, True),
+                                                            ((9, 0), "13.0", None, False), ((11, 0), None, "6.4", False),
+                                                            ((12, 0), None, "7.0", False)):  # ROCm: gfx11, gfx12
+        monkeypatch.setattr(torch.version, "cuda", cuda_version)
+        monkeypatch.setattr(torch.version, "hip", hip_version)
+        assert kernels.native_fp4_available(cuda) == expected, (capability, cuda_version, hip_version)
+    assert not kernels.native_fp4_available(torch.device("cpu"))
+
+
+def native_operands(monkeypatch):
+    """Operands as the quantizers make them on a Blackwell GPU (the native path forced, on the CPU's references)."""
+    monkeypatch.setattr(kernels, "native_fp4_available", lambda device: True)
+    g = torch.Generator().manual_seed(15)
+    return (kernels.quantize_op(torch.randn(256, 384, generator=g), four_over_six=True),
+            kernels.quantize_op(torch.randn(128, 384, generator=g), block="16x16"))
+
+
+def test_on_blackwell_the_quantizers_skip_the_bf16_operand_and_the_native_gemm_reads_codes(monkeypatch):
+    a, w = native_operands(monkeypatch)
+    e = torch.randn(256, 128, generator=torch.Generator().manual_seed(16))
+    signs = eden.random_signs(generator=torch.Generator().manual_seed(16))
+    made = [a, w, *kernels.ms_eden_pair_op(e, signs), kernels.requantize_ms_eden_op(a, signs)]
+    assert all(q.scaled_codes is None for q in made)  # ~2 of a quantization's ~6.6 bytes per element, not written
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", simulated_native_gemm(calls))
+    for right in (w, w.t().t()):  # a 16x16 operand, also through its exact transpose
+        out = kernels.nvfp4_mm(a, right, torch.float32).double()
+        reference = exact_values(a) @ exact_values(right).t()
+        assert ((out - reference).norm() / reference.norm()).item() < 1e-6  # FP32 output rounding only
+    assert len(calls) == 2
+
+
+def test_a_refused_native_gemm_says_so_once_and_emulates(monkeypatch, capsys):
+    a, w = native_operands(monkeypatch)
+    monkeypatch.setattr(kernels, "_native_refused", [])
+
+    def refuse(**arguments):
+        raise RuntimeError("CUDA error: CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul\nmore detail")
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", refuse)
+    reference = exact_values(a) @ exact_values(w).t()
+    for _ in range(3):
+        out = kernels.nvfp4_mm(a, w, torch.float32).double()
+        assert ((out - reference).norm() / reference.norm()).item() < 1e-6
+    printed = capsys.readouterr().out.splitlines()
+    assert len(printed) == 1 and "CUBLAS_STATUS_NOT_SUPPORTED" in printed[0] and "emulating" in printed[0], printed
+
+
+@pytest.mark.slow
+def test_a_quantized_gpt_compiles_through_inductor_with_the_native_gemm(monkeypatch):
+    # Blackwell's training step up to the hardware: the native path forced and cuBLAS's NVFP4 GEMM simulated, the
+    # whole GPT compiled by Inductor as train.py compiles it. The native GEMM must reach the compiled code as the
+    # operator it is (Inductor's own lowering of scaled_mm refuses the blocked scales) and run on every call.
+    monkeypatch.setattr(kernels, "native_fp4_available", lambda device: True)
+    calls = []
+    monkeypatch.setattr(torch.nn.functional, "scaled_mm", simulated_native_gemm(calls))
+    gpt, tokens = random_gpt("quartet2")
+    eager_loss, eager_grads = forward_backward(gpt, gpt, tokens, seed=1)
+    per_step = len(calls)
+    assert per_step == 3 * 4 * len(gpt.blocks)  # three GEMMs of q/k/v (one), proj, fc and the MLP's proj per block
+    compiled = torch.compile(gpt, fullgraph=True, dynamic=False)
+    for seed in (1, 2):
+        loss, grads = forward_backward(gpt, compiled, tokens, seed)
+        assert abs(loss.item() - eager_loss.item()) < 1e-4  # the forward is deterministic; Inductor fuses its floats
+        assert all(g.isfinite().all() and ((g - e).norm() <= e.norm()).item() for g, e in zip(grads, eager_grads))
+    assert len(calls) == 3 * per_step  # called by the compiled code at every step, not traced into it once
+
+
+@pytest.mark.gpu
+def test_native_gemm_on_blackwell_only():
+    device = torch.device("cuda")
+    if not kernels.native_fp4_available(device):
+        pytest.skip("no FP4 tensor cores on this GPU (the arguments are checked by the simulation above)")
+    a = kernels.triton_quantize(torch.randn(256, 512, device=device))
+    b = kernels.triton_quantize(torch.randn(384, 512, device=device))
+    out = kernels.nvfp4_mm(a, b).double().cpu()
+    reference = a.dequantize().double().cpu() @ b.dequantize().double().cpu().t()
+    assert ((out - reference).norm() / reference.norm()).item() < 2 ** -8
