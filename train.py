@@ -123,7 +123,10 @@ def local_texts(split, data_dir=DATA_DIR):
 
 def streamed_texts(path, name=None, data_files=None, skip=0):
     """Texts streamed through Hugging Face `datasets` (a hub dataset, or local files with path="json")."""
-    import datasets
+    try:
+        import datasets
+    except ImportError:
+        raise TrainingError("--data hf streams through Hugging Face datasets: pip install datasets") from None
     try:
         stream = datasets.load_dataset(path, name=name, data_files=data_files, split="train", streaming=True)
         for row in stream.skip(skip) if skip else stream:
@@ -278,6 +281,10 @@ def compile_model(model, mode=COMPILE_MODE):
     outputs are then overwritten by its next replay: use each forward's loss before the next forward."""
     mode_or_options = dict(mode=mode) if mode != "reduce-overhead" else dict(
         options={"triton.cudagraphs": True, "triton.cudagraph_trees": False})
+    # torch.compile keeps what it compiled for GPT.forward across models and compiles it again for each new one
+    # (every recipe, every seed in one process) and for evaluation; under fullgraph its eighth recompilation is an
+    # error. Each model starts afresh.
+    torch.compiler.reset()
     return torch.compile(model, fullgraph=True, dynamic=False, **mode_or_options)
 
 
