@@ -1,30 +1,28 @@
 """
 Measurements. Every number in the README comes from one of these commands:
 
-    python bench.py quant    # quantizer error table (paper Table 1) and unbiasedness, CPU or GPU
-    python bench.py kernels  # each Triton kernel: time and bandwidth next to the copy bandwidth (GPU)
-    python bench.py linear   # forward+backward of one (compiled) linear layer per recipe, as a ratio to BF16 (GPU)
-    python bench.py train    # tokens/s and peak memory of a training step per recipe (GPU)
-    python bench.py grad     # gradient concentration per recipe: the paper's Figure 9 (CPU or GPU)
-    python bench.py study    # train.py for recipes x seeds and the comparison table (GPU)
+    python bench.py quant    # quantizer error (the paper's Table 1) and unbiasedness (CPU or GPU)
+    python bench.py grad     # gradient concentration of a layer's backward per recipe (the paper's Figure 9)
+    python bench.py study    # train.py for recipes x seeds: the gaps to BF16 (the paper's Table 5, its ablations)
+    python bench.py train    # tokens/s and peak memory of a training step per recipe, against compiled BF16 (GPU)
+    python bench.py linear   # forward + backward of one linear layer per recipe, as a ratio to BF16 (GPU)
+    python bench.py kernels  # each Triton kernel's time and bandwidth, against the device's copy bandwidth (GPU)
 
-Each prints a short table; --json PATH writes the same rows as JSON. GPU times are medians of CUDA-event timings
-after warm-up (triton.testing.do_bench; `kernels` times replays of a CUDA graph of many calls, the copy too, so that
-the host's launches between a call's kernels do not count, as in train.py's captured micro-batches; a training
-step: the median of --calls back-to-back micro-batches, with their spread, and the host's own time to issue one;
-`linear` and `train` take --cuda-graph to time replays of a captured forward + backward, as train.py runs on one
-GPU); ratios compare numbers measured in the same run. On GPUs
-without FP4 tensor cores (anything before Blackwell) the NVFP4 GEMMs are emulated in BF16, and the tables say so.
+Each prints a table; --json PATH also writes its rows with their provenance (command, commit, device, versions,
+date). GPU times are medians of CUDA-event timings after warm-up; `kernels`, and `linear` and `train` with
+--cuda-graph, time replays of CUDA graphs, as train.py runs its micro-batches; ratios compare numbers of the same run.
+On GPUs without FP4 tensor cores (before Blackwell) the NVFP4 GEMMs are emulated in BF16, and the tables say so.
 
-Quantizer error is ||x - q(x)||^2 / ||x||^2 on an N(0,1) tensor. Unbiasedness shows as concentration: the mean of B
-independent quantizations of the same tensor has error variance/B + bias^2, so for an unbiased quantizer
-B * error(mean of B) stays flat, while for a biased one it grows like B once the bias dominates.
+Quantizer error is ||x - q(x)||^2 / ||x||^2 on N(0, 1) data. Unbiasedness shows as concentration: the mean of B
+independent quantizations (or backward passes) of the same input has error variance / B + bias^2, so for an unbiased
+quantizer B * error(mean of B) stays flat, while for a biased one it grows like B once the bias dominates.
 """
 
 import argparse
 import json
 import math
 import os
+import subprocess
 import sys
 import time
 
@@ -36,23 +34,23 @@ from model import GPT, RECIPES, Linear, RecipeLinear, make_optimizers, recipe_na
 from quantize import SR_FP4_MAX, quantize_nvfp4
 
 
-def _nvfp4(**options):
+def rtn_or_sr(**options):
     return lambda x, generator: quantize_nvfp4(x, generator=generator, **options).dequantize()
 
 
-def _ms_eden(x, generator):
+def ms_eden(x, generator):
     signs = random_signs(generator=generator)
     return inverse_rht(quantize_ms_eden(x, signs, generator).dequantize(), signs)
 
 
-# name -> (estimate of x, paper Table 1 relative error x 1e-3)
+# name -> (estimate of x, the paper's Table 1 relative error x 1e-3)
 QUANTIZERS = {
-    "RTN 1x16": (_nvfp4(), 9.0),
-    "RTN 1x16 + 4/6": (_nvfp4(four_over_six=True), 7.6),
-    "RTN 16x16": (_nvfp4(block="16x16"), 12.4),
-    "SR (fp4_max 6*16/17)": (_nvfp4(rounding="sr", fp4_max=SR_FP4_MAX), 23.5),
-    "SR + 4/6": (_nvfp4(rounding="sr", fp4_max=SR_FP4_MAX, four_over_six=True), 17.5),
-    "MS-EDEN": (_ms_eden, 9.4),
+    "RTN 1x16": (rtn_or_sr(), 9.0),
+    "RTN 1x16 + 4/6": (rtn_or_sr(four_over_six=True), 7.6),
+    "RTN 16x16": (rtn_or_sr(block="16x16"), 12.4),
+    "SR (fp4_max 6*16/17)": (rtn_or_sr(rounding="sr", fp4_max=SR_FP4_MAX), 23.5),
+    "SR + 4/6": (rtn_or_sr(rounding="sr", fp4_max=SR_FP4_MAX, four_over_six=True), 17.5),
+    "MS-EDEN": (ms_eden, 9.4),
 }
 
 
@@ -76,29 +74,167 @@ def bench_quant(args):
     generator = torch.Generator(device).manual_seed(args.seed)
     x = torch.randn(args.size, args.size, generator=generator, device=device)
     small = torch.randn(64, 1024, generator=generator, device=device)
+    print(f"relative error ||x-q(x)||^2/||x||^2 on a {args.size}x{args.size} N(0,1) tensor ({device}); concentration"
+          f" = B * error(mean of B={args.batches}) / error(one), on 64x1024: ~1 unbiased, ~B biased")
+    print(f"{'quantizer':<22}{'ours e-3':>10}{'paper e-3':>11}{'diff':>8}{'concentration':>15}{'unbiased':>10}")
     rows = []
     for name, (quantizer, paper) in QUANTIZERS.items():
         ours = relative_error(quantizer(x, generator), x) * 1e3
         errors = concentration(quantizer, small, [1, args.batches], generator)
-        growth = errors[args.batches] * args.batches / errors[1]  # ~1 if unbiased, ~B if biased
+        growth = errors[args.batches] * args.batches / errors[1]
         rows.append(dict(quantizer=name, error_e3=ours, paper_e3=paper, diff_pct=100 * (ours / paper - 1),
                          concentration=growth, unbiased=bool(growth < 2)))
-    print(f"Quantizer relative error ||x-q(x)||^2/||x||^2 on a {args.size}x{args.size} N(0,1) tensor ({device});")
-    print(f"concentration = B * error(mean of B={args.batches}) / error(one), on 64x1024: ~1 unbiased, ~B biased")
-    print(f"{'quantizer':<22}{'ours e-3':>10}{'paper e-3':>11}{'diff':>8}{'concentration':>15}{'unbiased':>10}")
-    for r in rows:
-        print(f"{r['quantizer']:<22}{r['error_e3']:>10.2f}{r['paper_e3']:>11.1f}{r['diff_pct']:>7.1f}%"
-              f"{r['concentration']:>15.2f}{'yes' if r['unbiased'] else 'no':>10}")
+        print(f"{name:<22}{ours:>10.2f}{paper:>11.1f}{rows[-1]['diff_pct']:>7.1f}%{growth:>15.2f}"
+              f"{'yes' if growth < 2 else 'no':>10}")
     return rows
 
 
 # -----------------------------------------------------------------------------
-# GPU measurements
+# The paper's comparison: gradient concentration (its Figure 9), and a study of recipes x seeds
 
 
-def _gpu():
+def captured_layers(args, device):
+    """(name, X [T, in], W [out, in], E [T, out]) of block 0's q, k and v projections, from one BF16 forward and
+    backward of a d{depth} GPT on the bundled validation text: nanochat's initialization, except that the output
+    projections and lm_head start random instead of at zero (at zero no gradient reaches q, k, v), or the weights of
+    a train.py checkpoint."""
+    if args.tokens < args.seq_len or args.tokens % args.seq_len:
+        raise ValueError(f"--tokens must be a multiple of --seq-len {args.seq_len}, got {args.tokens}")
+    torch.manual_seed(args.seed)
+    gpt = GPT(args.depth, "bf16", max_seq_len=args.seq_len).to(device)
+    if args.checkpoint:
+        try:
+            gpt.load_state_dict(train.load_checkpoint(args.checkpoint)["model"])
+        except RuntimeError:  # the tensors' shapes differ
+            raise ValueError(f"{args.checkpoint} holds another model size than --depth {args.depth} --seq-len "
+                             f"{args.seq_len}: pass the run's") from None
+    else:
+        with torch.no_grad():
+            for module in [gpt.lm_head] + [m for block in gpt.blocks for m in (block.attn.c_proj, block.mlp.c_proj)]:
+                module.weight.normal_(0, module.weight.shape[1] ** -0.5)
+    documents = train.tokenize(train.gpt2_tokenizer(), train.local_texts("val"))
+    tokens = train.validation_windows(documents, args.seq_len, args.tokens // args.seq_len).to(device)
+    attention, captured = gpt.blocks[0].attn, {}
+
+    def capture(name):
+        def hook(module, inputs, output):  # X now, E when the backward reaches this layer
+            captured[name] = [inputs[0].detach().flatten(0, 1)]
+            output.register_hook(lambda grad: captured[name].append(grad.flatten(0, 1)))
+        return hook
+    for name in ("c_q", "c_k", "c_v"):
+        getattr(attention, name).register_forward_hook(capture(name))
+    gpt(tokens[:, :-1], tokens[:, 1:]).backward()
+    return [(name, x, getattr(attention, name).weight.detach(), e) for name, (x, e) in captured.items()]
+
+
+def forward_operand(t, q):
+    """An operand as a recipe's forward multiplies it, from the reference quantizer, in FP64 (t if q is None)."""
+    return t.double() if q is None else quantize_nvfp4(t, q.rounding, q.four_over_six, q.block).dequantize().double()
+
+
+def forward_product(recipe, x, w):
+    return forward_operand(x, recipe.x) @ forward_operand(w, recipe.w).t()
+
+
+def exact_gradients(recipe, x, w, e):
+    """(dX, dW) that the recipe's backward estimates, in FP64: the exact gradients of its quantized forward, E W_q and
+    E^T X_q, except that a weight gradient from the unquantized X (the NVIDIA recipes') estimates E^T X."""
+    return e.double() @ forward_operand(w, recipe.w), e.double().t() @ forward_operand(x, None if recipe.x_dw_bf16
+                                                                                         else recipe.x)
+
+
+def bench_grad(args):
+    """The relative error of the mean of B backward passes of a layer against the gradients it estimates, for B = 1,
+    2, 4, ...: an unbiased backward falls like 1/B, a biased one levels off at its bias."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    batches = [2**i for i in range(int(math.log2(args.batches)) + 1)]
+    print(f"relative error of the mean of B backward passes, block 0 of a d{args.depth} GPT, {args.tokens} tokens "
+          f"({device}); growth = B_max * error(B_max) / error(1): ~1 unbiased, larger biased")
+    print(f"{'recipe':<24}{'layer':>6}{'gradient':>10}{'error(1)':>11}{f'error({batches[-1]})':>12}{'growth':>9}")
+    rows = []
+    for name, x, w, e in captured_layers(args, device):
+        for recipe in args.recipes:
+            torch.manual_seed(args.seed)
+            exact = exact_gradients(RECIPES[recipe], x, w, e)
+            sums, errors = [torch.zeros_like(g) for g in exact], {}
+            for b in range(1, batches[-1] + 1):
+                xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+                RecipeLinear.apply(xr, wr, recipe).backward(e)
+                for total, grad in zip(sums, (xr.grad, wr.grad)):
+                    total += grad.double()
+                if b in batches:
+                    errors[b] = [relative_error(total / b, g) for total, g in zip(sums, exact)]
+            for index, gradient in enumerate(("dX", "dW")):
+                curve = [errors[b][index] for b in batches]
+                growth = curve[-1] * batches[-1] / curve[0] if curve[0] > 0 else None
+                rows.append(dict(recipe=recipe, layer=name, gradient=gradient, batches=batches, errors=curve,
+                                 growth=growth))
+                print(f"{recipe:<24}{name:>6}{gradient:>10}{curve[0]:>11.2e}{curve[-1]:>12.2e}"
+                      f"{'exact' if growth is None else f'{growth:.2f}':>9}", flush=True)
+    plot_concentration(rows, args.png, args.command_line)
+    return rows
+
+
+def plot_concentration(rows, path, command):
+    plt = train.pyplot()
+    if plt is None:
+        return
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, gradient in zip(axes, ("dX", "dW")):
+        curves = [r for r in rows if r["gradient"] == gradient and r["layer"] == "c_q" and r["growth"] is not None]
+        for row, style in zip(curves, ["o-", "s--", "^-", "v:", "D-.", "x-", "*--", "+:"]):
+            ax.loglog(row["batches"], row["errors"], style, label=row["recipe"], markersize=5)
+        ax.set(title=f"{gradient} of block 0's q projection", xlabel="B (backward passes averaged)")
+        ax.grid(alpha=0.3, which="both")
+    axes[0].set_ylabel("relative error of the mean of B")
+    axes[1].legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120, metadata={"Description": f"{command}; {provenance()}"})
+
+
+def bench_study(args):
+    """train.py for every seed, each resumed from what a previous invocation left (which checks that its flags are
+    these), then the comparison: the mean gap to BF16 +- its standard deviation over seeds, and how much smaller
+    Quartet II's gap is than each baseline's (the recipes that quantize both passes; an ablation quantizes one)."""
+    recipes, runs = args.recipes, {}
+    for seed in args.seeds:
+        out = os.path.join(args.out, f"seed{seed}")
+        flags = ["--preset", args.preset, "--recipe", ",".join(recipes), "--seed", str(seed), "--out", out]
+        resume = ["--resume"] if os.path.exists(os.path.join(out, "run.json")) else []
+        if train.main(flags + resume + args.train_flags) is not None:
+            continue
+        runs[seed] = {r["recipe"]: r["val_bpb"] for r in json.load(open(os.path.join(out, "summary.json")))["rows"]}
+    return study_rows(runs, recipes, args.preset)
+
+
+def study_rows(runs, recipes, preset):
+    """The comparison of {seed: {recipe: final validation bpb}}: the table's rows, printed."""
+    gaps = {r: [100 * (bpb[r] / bpb["bf16"] - 1) for bpb in runs.values()] for r in recipes if r != "bf16"}
+    mean = {r: sum(g) / len(g) for r, g in gaps.items()}
+    std = {r: (sum((x - mean[r]) ** 2 for x in g) / (len(g) - 1)) ** 0.5 for r, g in gaps.items() if len(g) > 1}
+    print(f"\npreset {preset}, seeds {list(runs)}: final validation bpb, gap to BF16 (mean +- std over seeds)")
+    print(f"{'recipe':<16}" + "".join(f"{f'seed {s}':>10}" for s in runs) + f"{'gap':>18}{'Q-II gap smaller by':>22}")
+    rows = []
+    for recipe in recipes:
+        row = dict(recipe=recipe, bpb={s: runs[s][recipe] for s in runs}, gap_pct=mean.get(recipe),
+                   gap_std=std.get(recipe))
+        baseline = RECIPES[recipe].x is not None and RECIPES[recipe].e_dx is not None  # quantizes both passes
+        if baseline and recipe != "quartet2" and "quartet2" in mean and mean[recipe] > 0:
+            row["quartet2_gap_reduction_pct"] = 100 * (1 - mean["quartet2"] / mean[recipe])
+        rows.append(row)
+        gap = (f"{mean[recipe]:+.2f}%" if recipe in mean else "") + (f" +- {std[recipe]:.2f}%" if recipe in std else "")
+        reduction = f"{row['quartet2_gap_reduction_pct']:.0f}%" if "quartet2_gap_reduction_pct" in row else ""
+        print(f"{recipe:<16}" + "".join(f"{runs[s][recipe]:>10.4f}" for s in runs) + f"{gap:>18}{reduction:>22}")
+    return rows
+
+
+# -----------------------------------------------------------------------------
+# Speed on the GPU
+
+
+def gpu():
     if not torch.cuda.is_available():
-        sys.exit("bench.py: this measurement needs a CUDA GPU")
+        raise ValueError("this measurement needs a CUDA GPU")
     import kernels
     device = torch.device("cuda")
     native = kernels.native_fp4_available(device)
@@ -119,166 +255,21 @@ def replay_ms(fn):
     return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
 
 
-def call_times_ms(fn, calls):
-    """ms of each of `calls` back-to-back calls of fn, timed by CUDA events between them: as in training, the next
-    call's host work overlaps the GPU's, and the caches are not flushed in between."""
-    events = [torch.cuda.Event(enable_timing=True) for _ in range(calls + 1)]
-    events[0].record()
-    for event in events[1:]:
-        fn()
-        event.record()
-    torch.cuda.synchronize()
-    return sorted(start.elapsed_time(end) for start, end in zip(events, events[1:]))
-
-
-def host_ms(fn, gpu_ms, calls=5):
-    """The host's own time for one call of fn: calls spaced by a sleep longer than the GPU needs for one (gpu_ms),
-    so that the GPU has caught up when each starts and (call + sleep) takes the host's time plus the sleep. A step
-    whose host time is near its GPU time is bound by the host: any delay there idles the GPU."""
-    pause = 1.25 * gpu_ms / 1e3
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-        time.sleep(pause)
-    torch.cuda.synchronize()
-    return 1e3 * ((time.perf_counter() - start) / calls - pause)
-
-
-def copy_bandwidth(numel, device):
-    """Device-to-device copy of `numel` BF16 elements: bytes read + written per second."""
-    source = torch.randn(numel, device=device, dtype=torch.bfloat16)
-    target = torch.empty_like(source)
-    return 4 * numel / (replay_ms(lambda: target.copy_(source)) * 1e-3)
-
-
-def bench_kernels(args):
-    import kernels
-    device = _gpu()
-    rows, cols = args.rows, args.cols
-    numel = rows * cols
-    x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
-    signs128, signs16 = random_signs(128, device=device), random_signs(16, device=device)
-    saved = kernels.triton_quantize(x, four_over_six=True, scaled_codes=False)
-    phase1 = kernels.eden_phase1(x, signs128)
-    copy = copy_bandwidth(numel, device)
-    packed, scales, bf16, fp32_scales = 0.5, 1 / 16, 2.0, 4 / 16  # bytes per element
-    # name -> (function, bytes read + written per element)
-    cases = {
-        "amax (read)": (lambda: kernels._amax(x), 2),
-        "RTN 1x16 (amax + quantize)": (lambda: kernels.triton_quantize(x), 2 + 2 + packed + scales + bf16),
-        "RTN 1x16 + 4/6 (amax + quantize)": (lambda: kernels.triton_quantize(x, four_over_six=True),
-                                             2 + 2 + packed + scales + bf16),
-        "RTN 16x16 (amax + quantize)": (lambda: kernels.triton_quantize(x, block="16x16"),
-                                        2 + 2 + packed + scales / 16 + bf16),
-        "SR 1x16 (amax + quantize)": (lambda: kernels.triton_quantize(x, rounding="sr", fp4_max=SR_FP4_MAX),
-                                      2 + 2 + packed + scales + bf16),
-        "SR of RHT16(x^T) (amax + quantize)": (
-            lambda: kernels.triton_quantize(x, rounding="sr", fp4_max=SR_FP4_MAX, transpose=True, signs=signs16),
-            2 + 2 + packed + scales + bf16),
-        "MS-EDEN phase 1, x and x^T": (lambda: kernels.eden_phase1(x, signs128), 2 + 2 * (packed + fp32_scales)),
-        "MS-EDEN phase 2, one output": (lambda: kernels.eden_phase2(phase1[0]),
-                                        packed + fp32_scales + scales + bf16),
-        "MS-EDEN x and x^T (all)": (lambda: kernels.triton_ms_eden_pair(x, signs128),
-                                    2 + 2 * (2 * (packed + fp32_scales) + scales + bf16)),
-        "re-quantize phase 1": (lambda: kernels.eden_phase1_requantize(saved, signs128),
-                                packed + scales + packed + fp32_scales),
-        "re-quantize NVFP4 -> MS-EDEN^T (all)": (lambda: kernels.triton_requantize_ms_eden(saved, signs128),
-                                                 packed + scales + 2 * (packed + fp32_scales) + scales + bf16),
-        "dequantize to BF16": (lambda: kernels.triton_dequantize(saved, torch.bfloat16), packed + scales + bf16),
-    }
-    print(f"{rows}x{cols} BF16 input; device copy {copy / 1e12:.2f} TB/s (read + write)")
-    print(f"{'kernel':<38}{'ms':>8}{'B/elt':>7}{'TB/s':>7}{'% copy':>8}")
-    rows_out = []
-    for name, (fn, bytes_per_element) in cases.items():
-        ms = replay_ms(fn)
-        bandwidth = bytes_per_element * numel / (ms * 1e-3)
-        rows_out.append(dict(kernel=name, ms=ms, bytes_per_element=bytes_per_element, tb_per_s=bandwidth / 1e12,
-                             fraction_of_copy=bandwidth / copy))
-        print(f"{name:<38}{ms:>8.3f}{bytes_per_element:>7.2f}{bandwidth / 1e12:>7.2f}{100 * bandwidth / copy:>7.0f}%")
-    return dict(copy_tb_per_s=copy / 1e12, shape=[rows, cols], kernels=rows_out)
-
-
-LINEAR_SHAPES = {
-    "800M QKV": (2048, 6144), "800M Out": (2048, 2048), "800M UpGate": (2048, 11264), "800M Down": (5632, 2048),
-    "3B QKV": (3072, 9216), "3B Out": (3072, 3072), "3B UpGate": (3072, 16384), "3B Down": (8192, 3072),
-    "d12 fc": (768, 3072), "d12 proj": (3072, 768), "d20 fc": (1280, 5120), "d20 proj": (5120, 1280),
-}
-
-
-def layer_step(layer, x, grad, compile_mode):
-    """One forward + backward through a linear layer, compiled as train.py compiles its model (compile_mode None:
-    eager), returning the function to time and its peak extra memory."""
-    runner = layer if compile_mode is None else train.compile_model(layer, compile_mode)
-
-    def step():
-        layer.weight.grad = None
-        x.grad = None
-        runner(x).backward(grad)
-    step()  # compiles, warms up
-    torch.cuda.synchronize()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    return step, torch.cuda.max_memory_allocated() - base
-
-
-def bench_linear(args):
-    device = _gpu()
-    tokens = args.tokens
-    compile_mode = args.compile_mode if args.compile else None
-    print(f"forward + backward of {tokens} tokens, "
-          f"{'eager' if compile_mode is None else f'torch.compile (mode {compile_mode})'}"
-          f"{', captured in a CUDA graph' if args.cuda_graph else ''}")
-    print(f"{'layer':<13}{'in->out':>13}{'bf16 ms':>9}{'quartet2':>10}{'nvidia':>9}   peak extra memory GB "
-          f"(bf16 / quartet2 / nvidia)")
-    rows = []
-    for name, (d_in, d_out) in LINEAR_SHAPES.items():
-        if args.only and not any(word in name for word in args.only):
-            continue
-        torch.compiler.reset()  # every shape compiles afresh: torch.compile gives up after 8 recompilations
-        x = torch.randn(tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=True)
-        grad = torch.randn(tokens, d_out, device=device, dtype=torch.bfloat16)
-        result = dict(layer=name, d_in=d_in, d_out=d_out, tokens=tokens, compiled=args.compile,
-                      compile_mode=compile_mode, cuda_graph=args.cuda_graph)
-        reference = torch.nn.Linear(d_in, d_out, bias=False, device=device, dtype=torch.bfloat16)
-        layers = dict(bf16=reference, quartet2=Linear(d_in, d_out, "quartet2").to(device),
-                      nvidia=Linear(d_in, d_out, "nvidia").to(device))
-        for recipe, layer in layers.items():
-            if recipe != "bf16":
-                layer.weight.data.copy_(reference.weight.float())
-            step, memory = layer_step(layer, x, grad, compile_mode)
-            if args.cuda_graph:  # the gradients are made inside the capture, in the graph's memory
-                step = train.cuda_graph(step)[0]
-            result[f"{recipe}_ms"], result[f"{recipe}_memory_gb"] = median_ms(step), memory / 1e9
-        for recipe in ("quartet2", "nvidia"):
-            result[f"{recipe}_ratio"] = result[f"{recipe}_ms"] / result["bf16_ms"]
-        rows.append(result)
-        print(f"{name:<13}{f'{d_in}->{d_out}':>13}{result['bf16_ms']:>9.3f}{result['quartet2_ratio']:>9.2f}x"
-              f"{result['nvidia_ratio']:>8.2f}x   {result['bf16_memory_gb']:.2f} / {result['quartet2_memory_gb']:.2f}"
-              f" / {result['nvidia_memory_gb']:.2f}")
-        del x, grad, layers, reference
-        torch.cuda.empty_cache()
-    return rows
-
-
 def training_step(depth, recipe, args, device, accumulation):
     """One training step of a fresh model on random tokens, as train.py runs it: `accumulation` micro-batches of
-    forward + backward, then the optimizer (Muon + AdamW). Returns the ms of args.calls forward + backward passes
-    (sorted), the host's ms for one of them (host_ms), the median ms of one optimizer step, and the peak memory (GB)
-    of a whole step."""
+    forward + backward, then Muon + AdamW. Returns the ms of args.calls forward + backward passes timed back to back
+    by CUDA events (sorted), the host's ms for one of them, the median ms of an optimizer step, and the peak memory
+    (GB) of a whole step. A step whose host time is near its GPU time is bound by the host."""
     torch.manual_seed(0)
     model = GPT(depth, recipe, max_seq_len=args.seq_len).to(device)
     flags = train.parse_args([])  # train.py's default learning rates
     adamw, muon = make_optimizers(model, flags.lr_matrix, flags.lr_embedding, flags.lr_head)
-    runner = train.compile_model(model, args.compile_mode) if args.compile else model
+    runner = train.compile_model(model) if args.compile else model
     batch = torch.randint(0, 50257, (args.device_batch, args.seq_len + 1), device=device)
 
     def forward_backward():
         with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = runner(batch[:, :-1], batch[:, 1:])
-        loss.backward()
+            runner(batch[:, :-1], batch[:, 1:]).backward()
 
     def optimizer_step():
         adamw.step()
@@ -298,202 +289,167 @@ def training_step(depth, recipe, args, device, accumulation):
     whole_step()
     torch.cuda.synchronize()
     peak_memory = torch.cuda.max_memory_allocated() / 1e9
-    times = call_times_ms(forward_backward, args.calls)  # also the gradients the optimizer steps with
-    ms_host = host_ms(forward_backward, times[-1])
+    events = [torch.cuda.Event(enable_timing=True) for _ in range(args.calls + 1)]
+    events[0].record()
+    for event in events[1:]:  # as in training: the next call's host work overlaps the GPU's
+        forward_backward()
+        event.record()
+    torch.cuda.synchronize()
+    times = sorted(start.elapsed_time(end) for start, end in zip(events, events[1:]))
+    pause, tic = 1.25 * times[-1] / 1e3, time.perf_counter()  # host time: calls spaced so the GPU has caught up
+    for _ in range(5):
+        forward_backward()
+        time.sleep(pause)
+    torch.cuda.synchronize()
+    ms_host = 1e3 * ((time.perf_counter() - tic) / 5 - pause)
     ms_optimizer = median_ms(optimizer_step)
     if args.profile:
-        profile(forward_backward, f"d{depth} {recipe}")
+        from torch.profiler import ProfilerActivity
+        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
+            for _ in range(3):
+                forward_backward()
+            torch.cuda.synchronize()
+        print(f"--- profile of d{depth} {recipe}, 3 forward + backward passes")
+        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
     return times, ms_host, ms_optimizer, peak_memory
 
 
-def profile(fn, name, steps=3):
-    """torch.profiler over a few calls of fn: the GPU kernels that take the most time, and the launch count."""
-    from torch.profiler import ProfilerActivity
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-        for _ in range(steps):
-            fn()
-        torch.cuda.synchronize()
-    events = profiler.key_averages()
-    print(f"--- profile of {name}: {steps} calls (the totals are over all {steps})")
-    print(events.table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-
-
 def bench_train(args):
-    device = _gpu()
+    device = gpu()
     tokens = args.device_batch * args.seq_len
-    mode = f"torch.compile (mode {args.compile_mode})" if args.compile else "eager"
-    mode += ", each micro-batch's forward + backward captured in a CUDA graph" if args.cuda_graph else ""
-    print(f"training step of train.py's presets: micro-batches of {args.device_batch} x {args.seq_len} tokens, "
-          f"BF16 autocast, {mode}")
-    if args.profile:  # measured 2026-12-01: after a profile, the next recipes' steps ran up to 40% slower
-        print("--profile: every recipe after the first runs after a profiler: its speed is not comparable")
+    print(f"training step of train.py's presets: micro-batches of {args.device_batch} x {args.seq_len} tokens, BF16 "
+          f"autocast, {'compiled' if args.compile else 'eager'}"
+          f"{', each micro-batch captured in a CUDA graph' if args.cuda_graph else ''}"
+          f"{'; --profile: recipes after the first run after a profiler and run slower' if args.profile else ''}")
     print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'range ms':>14}{'host ms':>8}{'optim ms':>9}"
           f"{'step ms':>9}{'tokens/s':>11}{'vs bf16':>8}{'peak GB':>8}")
     rows = []
     for depth in args.depth:
         preset = train.PRESETS.get(f"d{depth}", train.PRESETS["d12"])
-        accumulation = max(1, preset["batch_tokens"] // tokens)
-        baseline = None  # BF16's tokens/s at this depth, when bf16 is among the recipes (it comes first by default)
+        accumulation, baseline = max(1, preset["batch_tokens"] // tokens), None
         for recipe in args.recipes:
             times, ms_host, ms_opt, peak_memory = training_step(depth, recipe, args, device, accumulation)
             ms_fb = times[len(times) // 2]  # the median (the upper one of an even count)
-            torch._dynamo.reset()
             torch.cuda.empty_cache()
             ms_step = accumulation * ms_fb + ms_opt
             tokens_per_s = accumulation * tokens / (ms_step * 1e-3)
-            baseline = tokens_per_s if recipe == "bf16" else baseline
+            baseline = tokens_per_s if recipe == "bf16" else baseline  # bf16 comes first by default
             ratio = tokens_per_s / baseline if baseline else None
             rows.append(dict(depth=depth, recipe=recipe, accumulation=accumulation, forward_backward_ms=ms_fb,
                              forward_backward_all_ms=times, host_ms=ms_host, optimizer_ms=ms_opt, step_ms=ms_step,
                              tokens_per_s=tokens_per_s, vs_bf16=ratio, peak_memory_gb=peak_memory,
-                             compiled=args.compile, compile_mode=args.compile_mode, cuda_graph=args.cuda_graph))
+                             compiled=args.compile, cuda_graph=args.cuda_graph))
             print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{f'{times[0]:.1f}-{times[-1]:.1f}':>14}"
                   f"{ms_host:>8.1f}{ms_opt:>9.1f}{ms_step:>9.1f}{tokens_per_s:>11,.0f}"
                   f"{f'{ratio:.2f}x' if ratio else '-':>8}{peak_memory:>8.1f}", flush=True)
     return rows
 
 
-# -----------------------------------------------------------------------------
-# The paper's comparison: gradient concentration (its Figure 9) and a study of recipes x seeds
+LINEAR_SHAPES = {
+    "800M QKV": (2048, 6144), "800M Out": (2048, 2048), "800M UpGate": (2048, 11264), "800M Down": (5632, 2048),
+    "3B QKV": (3072, 9216), "3B Out": (3072, 3072), "3B UpGate": (3072, 16384), "3B Down": (8192, 3072),
+    "d12 fc": (768, 3072), "d12 proj": (3072, 768), "d20 fc": (1280, 5120), "d20 proj": (5120, 1280),
+}
 
 
-def captured_layers(args, device):
-    """(name, X [T, in], W [out, in], E [T, out]) of block 0's q, k and v projections, from one BF16 forward and
-    backward of a d{depth} GPT on the bundled validation text: nanochat's initialization, except that the output
-    projections and lm_head start random instead of at zero (at zero, no gradient reaches q, k, v), or the weights
-    of a train.py checkpoint."""
-    if args.tokens < args.seq_len or args.tokens % args.seq_len:
-        raise ValueError(f"--tokens must be a multiple of --seq-len {args.seq_len}, got {args.tokens}")
-    torch.manual_seed(args.seed)
-    gpt = GPT(args.depth, "bf16", max_seq_len=args.seq_len).to(device)
-    if args.checkpoint:
-        try:
-            gpt.load_state_dict(train.load_checkpoint(args.checkpoint)["model"])
-        except RuntimeError:  # the tensors' shapes differ
-            raise ValueError(f"{args.checkpoint} holds another model size than --depth {args.depth} --seq-len "
-                             f"{args.seq_len}: pass the run's") from None
-    else:
-        with torch.no_grad():
-            for module in [gpt.lm_head] + [m for block in gpt.blocks for m in (block.attn.c_proj, block.mlp.c_proj)]:
-                module.weight.normal_(0, module.weight.shape[1] ** -0.5)
-    tokenizer = train.gpt2_tokenizer()
-    documents = train.tokenize(tokenizer, train.local_texts("val"))
-    tokens = train.validation_windows(documents, args.seq_len, args.tokens // args.seq_len).to(device)
-    attention, captured = gpt.blocks[0].attn, {}
-
-    def capture(name):
-        def hook(module, inputs, output):  # X now, E when the backward reaches this layer
-            captured[name] = [inputs[0].detach().flatten(0, 1)]
-            output.register_hook(lambda grad: captured[name].append(grad.flatten(0, 1)))
-        return hook
-    for name in ("c_q", "c_k", "c_v"):
-        getattr(attention, name).register_forward_hook(capture(name))
-    gpt(tokens[:, :-1], tokens[:, 1:]).backward()
-    return [(name, x, getattr(attention, name).weight.detach(), e) for name, (x, e) in captured.items()]
-
-
-def bench_grad(args):
-    """The relative error of the mean of B backward passes of a layer against the exact gradient of its quantized
-    forward, for B = 1, 2, 4, ...: unbiased recipes fall like 1/B, a biased one levels off at its bias."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    recipes = {name: RECIPES[name] for name in args.recipes}
-    batches = [2**i for i in range(int(math.log2(args.batches)) + 1)]
-    print(f"relative error of the mean of B backward passes, block 0 of a d{args.depth} GPT, {args.tokens} tokens "
-          f"({device}); growth = B_max * error(B_max) / error(1): ~1 unbiased, larger biased")
-    print(f"{'recipe':<24}{'layer':>6}{'gradient':>10}{'error(1)':>11}{f'error({batches[-1]})':>12}{'growth':>9}")
+def bench_linear(args):
+    device = gpu()
+    print(f"forward + backward of {args.tokens} tokens, {'compiled' if args.compile else 'eager'}"
+          f"{', captured in a CUDA graph' if args.cuda_graph else ''}")
+    print(f"{'layer':<13}{'in->out':>13}{'bf16 ms':>9}{'quartet2':>10}{'nvidia':>9}   peak extra memory GB "
+          f"(bf16 / quartet2 / nvidia)")
     rows = []
-    for name, x, w, e in captured_layers(args, device):
-        for recipe_name, recipe in recipes.items():
-            torch.manual_seed(args.seed)
-            exact = exact_gradients(recipe, x, w, e)
-            sums, errors = [torch.zeros_like(g) for g in exact], {}
-            for b in range(1, batches[-1] + 1):
-                xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
-                RecipeLinear.apply(xr, wr, recipe_name).backward(e)
-                for total, grad in zip(sums, (xr.grad, wr.grad)):
-                    total += grad.double()
-                if b in batches:
-                    errors[b] = [relative_error(total / b, g) for total, g in zip(sums, exact)]
-            for index, gradient in enumerate(("dX", "dW")):
-                curve = [errors[b][index] for b in batches]
-                row = dict(recipe=recipe_name, layer=name, gradient=gradient, batches=batches, errors=curve,
-                           growth=curve[-1] * batches[-1] / curve[0] if curve[0] > 0 else None)
-                rows.append(row)
-                growth = f"{row['growth']:.2f}" if row["growth"] is not None else "exact"
-                print(f"{recipe_name:<24}{name:>6}{gradient:>10}{curve[0]:>11.2e}{curve[-1]:>12.2e}{growth:>9}",
-                      flush=True)
-    if args.png:
-        plot_concentration(rows, args.png)
-    return rows
+    for name, (d_in, d_out) in LINEAR_SHAPES.items():
+        if args.only and not any(word in name for word in args.only):
+            continue
+        x = torch.randn(args.tokens, d_in, device=device, dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(args.tokens, d_out, device=device, dtype=torch.bfloat16)
+        row = dict(layer=name, d_in=d_in, d_out=d_out, tokens=args.tokens, compiled=args.compile,
+                   cuda_graph=args.cuda_graph)
+        reference = torch.nn.Linear(d_in, d_out, bias=False, device=device, dtype=torch.bfloat16)
+        for recipe in ("bf16", "quartet2", "nvidia"):
+            layer = reference if recipe == "bf16" else Linear(d_in, d_out, recipe).to(device)
+            layer.weight.data.copy_(reference.weight.float())
+            runner = train.compile_model(layer) if args.compile else layer
 
-
-def forward_operand(t, q):
-    """An operand as a recipe's forward multiplies it, from the reference quantizer, in FP64 (t if q is None)."""
-    return t.double() if q is None else quantize_nvfp4(t, q.rounding, q.four_over_six, q.block).dequantize().double()
-
-
-def forward_product(recipe, x, w):
-    return forward_operand(x, recipe.x) @ forward_operand(w, recipe.w).t()
-
-
-def exact_gradients(recipe, x, w, e):
-    """(E W_q, E^T X_q) in FP64: the exact gradients of the recipe's quantized forward (W_q = W where it keeps W)."""
-    return e.double() @ forward_operand(w, recipe.w), e.double().t() @ forward_operand(x, recipe.x)
-
-
-def plot_concentration(rows, path):
-    plt = train.pyplot()
-    if plt is None:
-        return print("(matplotlib is not installed: no plot)")
-    figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-    for ax, gradient in zip(axes, ("dX", "dW")):
-        curves = [r for r in rows if r["gradient"] == gradient and r["layer"] == "c_q" and r["growth"] is not None]
-        for row, style in zip(curves, ["o-", "s--", "^-", "v:", "D-.", "x-", "*--", "+:"]):
-            ax.loglog(row["batches"], row["errors"], style, label=row["recipe"], markersize=5)
-        ax.set(title=f"{gradient} of block 0's q projection", xlabel="B (backward passes averaged)")
-        ax.grid(alpha=0.3, which="both")
-    axes[0].set_ylabel("relative error of the mean of B")
-    axes[1].legend(fontsize=8)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-
-
-def bench_study(args):
-    """train.py for every seed (resuming what a previous invocation left), then the comparison: mean gap to BF16 +-
-    its standard deviation over seeds, and how much smaller Quartet II's gap is than each baseline's (the recipes
-    that quantize both passes; an ablation quantizes one)."""
-    recipes, runs = args.recipes, {}
-    for seed in args.seeds:
-        out = os.path.join(args.out, f"seed{seed}")
-        flags = ["--preset", args.preset, "--recipe", ",".join(recipes), "--seed", str(seed), "--out", out]
-        done = os.path.exists(os.path.join(out, "summary.json"))
-        if not done:
-            resume = ["--resume"] if os.path.exists(os.path.join(out, "run.json")) else []
-            if train.main(flags + resume + args.train_flags) is not None:
-                continue
-        runs[seed] = {r["recipe"]: r["val_bpb"] for r in json.load(open(os.path.join(out, "summary.json")))["rows"]}
-        missing = [r for r in recipes if r not in runs[seed]]
-        if missing:  # a finished run of other recipes: training more into it would need another run directory
-            raise ValueError(f"{out} holds a finished run without {','.join(missing)}; use another --out")
-    gaps = {r: [100 * (bpb[r] / bpb["bf16"] - 1) for bpb in runs.values()] for r in recipes if r != "bf16"}
-    mean = {r: sum(g) / len(g) for r, g in gaps.items()}
-    std = {r: (sum((x - mean[r]) ** 2 for x in g) / (len(g) - 1)) ** 0.5 for r, g in gaps.items() if len(g) > 1}
-    print(f"\npreset {args.preset}, seeds {list(runs)}: final validation bpb, gap to BF16 (mean +- std over seeds)")
-    print(f"{'recipe':<16}" + "".join(f"{f'seed {s}':>10}" for s in runs) + f"{'gap':>18}{'Q-II gap smaller by':>22}")
-    rows = []
-    for recipe in recipes:
-        row = dict(recipe=recipe, bpb={s: runs[s][recipe] for s in runs}, gap_pct=mean.get(recipe),
-                   gap_std=std.get(recipe))
-        baseline = RECIPES[recipe].x is not None and RECIPES[recipe].e_dx is not None  # quantizes both passes
-        if baseline and recipe in mean and "quartet2" in mean and recipe != "quartet2" and mean[recipe] > 0:
-            row["quartet2_gap_reduction_pct"] = 100 * (1 - mean["quartet2"] / mean[recipe])
+            def step():
+                layer.weight.grad = x.grad = None
+                runner(x).backward(grad)
+            step()  # compiles, warms up
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            step()
+            torch.cuda.synchronize()
+            row[f"{recipe}_memory_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
+            row[f"{recipe}_ms"] = median_ms(train.cuda_graph(step)[0] if args.cuda_graph else step)
+        for recipe in ("quartet2", "nvidia"):
+            row[f"{recipe}_ratio"] = row[f"{recipe}_ms"] / row["bf16_ms"]
         rows.append(row)
-        gap = f"{mean[recipe]:+.2f}%" if recipe in mean else ""
-        gap += f" +- {std[recipe]:.2f}%" if recipe in std else ""  # one seed has no spread to show
-        reduction = f"{row['quartet2_gap_reduction_pct']:.0f}%" if "quartet2_gap_reduction_pct" in row else ""
-        print(f"{recipe:<16}" + "".join(f"{runs[s][recipe]:>10.4f}" for s in runs) + f"{gap:>18}{reduction:>22}")
+        print(f"{name:<13}{f'{d_in}->{d_out}':>13}{row['bf16_ms']:>9.3f}{row['quartet2_ratio']:>9.2f}x"
+              f"{row['nvidia_ratio']:>8.2f}x   {row['bf16_memory_gb']:.2f} / {row['quartet2_memory_gb']:.2f}"
+              f" / {row['nvidia_memory_gb']:.2f}")
+        torch.cuda.empty_cache()
     return rows
+
+
+def bench_kernels(args):
+    import kernels
+    device = gpu()
+    rows, cols = args.rows, args.cols
+    x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
+    signs128, signs16 = random_signs(128, device=device), random_signs(16, device=device)
+    saved = kernels.triton_quantize(x, four_over_six=True, scaled_codes=False)
+    phase1 = kernels.eden_phase1(x, signs128)
+    source = torch.randn(rows * cols, device=device, dtype=torch.bfloat16)
+    target = torch.empty_like(source)
+    copy = 4 * rows * cols / (replay_ms(lambda: target.copy_(source)) * 1e-3)  # bytes read + written per second
+    packed, scales, bf16, fp32_scales = 0.5, 1 / 16, 2.0, 4 / 16  # bytes per element
+    rtn = 2 + 2 + packed + scales + bf16  # the amax pass reads x, the quantizer reads it and writes three outputs
+    cases = {  # name -> (function, bytes read + written per element)
+        "amax (read)": (lambda: kernels._amax(x), 2),
+        "RTN 1x16 (amax + quantize)": (lambda: kernels.triton_quantize(x), rtn),
+        "RTN 1x16 + 4/6 (amax + quantize)": (lambda: kernels.triton_quantize(x, four_over_six=True), rtn),
+        "RTN 16x16 (amax + quantize)": (lambda: kernels.triton_quantize(x, block="16x16"), rtn - scales + scales / 16),
+        "SR 1x16 (amax + quantize)": (lambda: kernels.triton_quantize(x, rounding="sr", fp4_max=SR_FP4_MAX), rtn),
+        "SR of RHT16(x^T) (amax + quantize)": (lambda: kernels.triton_quantize(
+            x, rounding="sr", fp4_max=SR_FP4_MAX, transpose=True, signs=signs16), rtn),
+        "MS-EDEN phase 1, x and x^T": (lambda: kernels.eden_phase1(x, signs128), 2 + 2 * (packed + fp32_scales)),
+        "MS-EDEN phase 2, one output": (lambda: kernels.eden_phase2(phase1[0]), packed + fp32_scales + scales + bf16),
+        "MS-EDEN x and x^T (all)": (lambda: kernels.triton_ms_eden_pair(x, signs128),
+                                    2 + 2 * (2 * (packed + fp32_scales) + scales + bf16)),
+        "re-quantize phase 1": (lambda: kernels.eden_phase1_requantize(saved, signs128),
+                                packed + scales + packed + fp32_scales),
+        "re-quantize NVFP4 -> MS-EDEN^T (all)": (lambda: kernels.triton_requantize_ms_eden(saved, signs128),
+                                                 packed + scales + 2 * (packed + fp32_scales) + scales + bf16),
+        "dequantize to BF16": (lambda: kernels.triton_dequantize(saved, torch.bfloat16), packed + scales + bf16),
+    }
+    print(f"{rows}x{cols} BF16 input; device copy {copy / 1e12:.2f} TB/s (read + write)")
+    print(f"{'kernel':<38}{'ms':>8}{'B/elt':>7}{'TB/s':>7}{'% copy':>8}")
+    results = []
+    for name, (fn, bytes_per_element) in cases.items():
+        ms = replay_ms(fn)
+        bandwidth = bytes_per_element * rows * cols / (ms * 1e-3)
+        results.append(dict(kernel=name, ms=ms, bytes_per_element=bytes_per_element, tb_per_s=bandwidth / 1e12,
+                            fraction_of_copy=bandwidth / copy))
+        print(f"{name:<38}{ms:>8.3f}{bytes_per_element:>7.2f}{bandwidth / 1e12:>7.2f}{100 * bandwidth / copy:>7.0f}%")
+    return dict(copy_tb_per_s=copy / 1e12, shape=[rows, cols], kernels=results)
+
+
+# -----------------------------------------------------------------------------
+# Provenance and flags
+
+
+def provenance():
+    """Where a measurement comes from: date, commit, device, versions."""
+    import triton
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
+    except OSError:
+        commit = "unknown"
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    return f"{time.strftime('%Y-%m-%d')}, commit {commit}, {device}, torch {torch.__version__}, triton {triton.__version__}"
 
 
 def recipe_list(text):
@@ -511,70 +467,62 @@ def main(argv=None):
     quant.add_argument("--size", type=int, default=4096, help="the test tensor is size x size")
     quant.add_argument("--batches", type=int, default=64, help="B for the concentration check")
     quant.add_argument("--seed", type=int, default=0)
-    kernel = commands.add_parser("kernels", help="Triton kernels: time and bandwidth (GPU)")
-    kernel.add_argument("--rows", type=int, default=16384)
-    kernel.add_argument("--cols", type=int, default=4096)
-    linear = commands.add_parser("linear", help="one linear layer, forward + backward, per recipe (GPU)")
-    linear.add_argument("--tokens", type=int, default=32768)
-    linear.add_argument("--only", nargs="*", help="layer names containing these words (e.g. 3B d20)")
-    linear.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                        help="torch.compile each layer (default), or --no-compile for eager")
-    linear.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
-    linear.add_argument("--cuda-graph", action="store_true",
-                        help="capture each layer's forward + backward in one CUDA graph and time its replays, as "
-                             "train.py runs a micro-batch on one GPU: the host's launches drop out")
+    grad = commands.add_parser("grad", help="gradient concentration per recipe (the paper's Figure 9)")
+    grad.add_argument("--recipes", type=recipe_list, default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,"
+                                                             "bwd_e_sr46")
+    gpu_there = torch.cuda.is_available()  # on a CPU a smaller model and fewer tokens keep it to ~10 minutes
+    grad.add_argument("--batches", type=int, default=1024 if gpu_there else 256, help="the largest B")
+    grad.add_argument("--depth", type=int, default=12 if gpu_there else 4)
+    grad.add_argument("--tokens", type=int, default=4096 if gpu_there else 1024, help="tokens of the captured inputs")
+    grad.add_argument("--seq-len", type=int, default=512)
+    grad.add_argument("--checkpoint", help="a train.py checkpoint to take the weights from (default: initialized)")
+    grad.add_argument("--seed", type=int, default=0)
+    grad.add_argument("--png", default="concentration.png", help="the log-log plot")
+    study = commands.add_parser("study", help="train.py for recipes x seeds, and the comparison table (GPU)")
+    study.add_argument("--recipes", type=recipe_list, default="bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")
+    study.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    study.add_argument("--preset", default="small")
+    study.add_argument("--out", default="runs/study", help="one train.py run directory per seed below it")
+    study.add_argument("train_flags", nargs="*", help="more train.py flags, after --")
     training = commands.add_parser("train", help="a training step per recipe (GPU)")
     training.add_argument("--depth", type=int, nargs="+", default=[12, 20])
     training.add_argument("--recipes", default="bf16,quartet2,nvidia", type=recipe_list)
     training.add_argument("--seq-len", type=int, default=2048)
     training.add_argument("--device-batch", type=int, default=16)
-    training.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                          help="torch.compile the model (default), or --no-compile for eager")
-    training.add_argument("--compile-mode", default=None, help="torch.compile mode (default: train.py's)")
     training.add_argument("--calls", type=int, default=20, help="forward + backward passes timed per recipe")
-    training.add_argument("--cuda-graph", action="store_true",
-                          help="capture each micro-batch's forward + backward (compiled in the default mode) in one "
-                               "CUDA graph and replay it: the host only launches the graph")
-    training.add_argument("--profile", action="store_true",
-                          help="also print a torch.profiler table per model (the profiler slows what runs after it: "
-                               "take speed ratios from a run without it)")
-    grad = commands.add_parser("grad", help="gradient concentration per recipe (the paper's Figure 9)")
-    grad.add_argument("--recipes", type=recipe_list,
-                      default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46")
-    gpu = torch.cuda.is_available()  # on a CPU a smaller model and fewer tokens keep it to ~10 minutes
-    grad.add_argument("--batches", type=int, default=1024 if gpu else 256, help="the largest B")
-    grad.add_argument("--depth", type=int, default=12 if gpu else 4)
-    grad.add_argument("--tokens", type=int, default=4096 if gpu else 1024, help="tokens of the captured inputs (T)")
-    grad.add_argument("--seq-len", type=int, default=512)
-    grad.add_argument("--checkpoint", help="a train.py checkpoint to take the weights from (default: initialized)")
-    grad.add_argument("--seed", type=int, default=0)
-    grad.add_argument("--png", default="concentration.png", help="the log-log plot (with matplotlib)")
-    study = commands.add_parser("study", help="train.py for recipes x seeds, and the comparison table (GPU)")
-    study.add_argument("--recipes", type=recipe_list,
-                       default="bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")
-    study.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    study.add_argument("--preset", default="small")
-    study.add_argument("--out", default="runs/study", help="one train.py run directory per seed below it")
-    study.add_argument("train_flags", nargs="*", help="more train.py flags, after --")
-    for command in (quant, kernel, linear, training, grad, study):
-        command.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
+    training.add_argument("--profile", action="store_true", help="also print a torch.profiler table per model (it "
+                                                                 "slows what runs after it)")
+    linear = commands.add_parser("linear", help="one linear layer, forward + backward, per recipe (GPU)")
+    linear.add_argument("--tokens", type=int, default=32768)
+    linear.add_argument("--only", nargs="*", help="layer names containing these words (e.g. 3B d20)")
+    kernel = commands.add_parser("kernels", help="Triton kernels: time and bandwidth (GPU)")
+    kernel.add_argument("--rows", type=int, default=16384)
+    kernel.add_argument("--cols", type=int, default=4096)
+    for command in (training, linear):
+        command.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
+                             help="torch.compile as train.py does (default), or --no-compile for eager")
+        command.add_argument("--cuda-graph", action="store_true", help="capture each forward + backward in a CUDA "
+                                                                       "graph and time its replays, as train.py runs")
+    for command in (quant, grad, study, training, linear, kernel):
+        command.add_argument("--json", metavar="PATH", help="also write the rows, with their provenance, as JSON")
     args = parser.parse_args(argv)
+    args.command_line = f"python bench.py {' '.join(sys.argv[1:] if argv is None else argv)}"
     if args.command == "train" and args.calls < 1:
         parser.error("--calls must be at least 1")
-    if args.command in ("train", "linear") and args.compile_mode is None:
-        args.compile_mode = train.COMPILE_MODE
-    if (args.command in ("train", "linear") and args.cuda_graph and args.compile
-            and args.compile_mode == "reduce-overhead"):
-        parser.error("--cuda-graph captures the compiled step itself: use it with the default compile mode")
-    run = dict(quant=bench_quant, kernels=bench_kernels, linear=bench_linear, train=bench_train, grad=bench_grad,
-               study=bench_study)[args.command]
+    if args.command == "study" and "bf16" not in args.recipes:
+        parser.error("study compares every recipe with bf16: include it in --recipes")
+    for path in [args.json, getattr(args, "png", None)]:  # before hours of work, not after
+        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
+            parser.error(f"cannot write {path}: its directory does not exist or is not writable")
+    run = dict(quant=bench_quant, grad=bench_grad, study=bench_study, train=bench_train, linear=bench_linear,
+               kernels=bench_kernels)[args.command]
     try:
         rows = run(args)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(command=args.command_line, provenance=provenance(), rows=rows), f, indent=1)
     except (ValueError, OSError, train.TrainingError) as error:  # bad flags or files: one line, no traceback
         sys.exit(f"bench.py: error: {error}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(command=args.command, argv=sys.argv[1:], rows=rows), f, indent=1)
     return rows
 
 

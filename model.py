@@ -142,6 +142,9 @@ def recipe_names(text):
     unknown = [name for name in names if name not in RECIPES]
     if unknown or not names:
         raise ValueError(f"unknown recipe(s) {unknown or text!r}; choose from {','.join(RECIPES)}")
+    repeated = sorted({name for name in names if names.count(name) > 1})
+    if repeated:
+        raise ValueError(f"recipe(s) {','.join(repeated)} named more than once")
     return names
 
 

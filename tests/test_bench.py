@@ -40,23 +40,30 @@ def test_study_trains_every_seed_and_tabulates_the_gaps(small_data, tmp_path):
         assert by_recipe["nvidia"]["quartet2_gap_reduction_pct"] == pytest.approx(expected)
 
 
-def test_study_of_finished_runs_one_seed_has_no_spread_and_an_ablation_no_reduction(tmp_path):
+def test_the_study_table_of_one_seed_has_no_spread_and_an_ablation_no_reduction():
     bpb = dict(bf16=1.0, quartet2=1.003, nvidia=1.004, fwd_1x16=1.002)  # gaps +0.3%, +0.4%, +0.2%
-    (tmp_path / "seed0").mkdir()
-    rows = [dict(recipe=recipe, val_bpb=value) for recipe, value in bpb.items()]
-    json.dump(dict(rows=rows), open(tmp_path / "seed0" / "summary.json", "w"))
-    by_recipe = {r["recipe"]: r for r in bench.main(["study", "--recipes", ",".join(bpb), "--seeds", "0", "--out",
-                                                     str(tmp_path)])}
+    by_recipe = {r["recipe"]: r for r in bench.study_rows({0: bpb}, list(bpb), "tiny")}
     assert by_recipe["nvidia"]["gap_pct"] == pytest.approx(0.4) and by_recipe["nvidia"]["gap_std"] is None
     assert by_recipe["nvidia"]["quartet2_gap_reduction_pct"] == pytest.approx(25)  # 1 - 0.3 / 0.4
     assert "quartet2_gap_reduction_pct" not in by_recipe["fwd_1x16"]  # forward only: not a baseline
 
 
-def test_study_refuses_a_finished_run_that_lacks_a_recipe(tmp_path):
-    (tmp_path / "seed0").mkdir()
-    json.dump(dict(rows=[dict(recipe="bf16", val_bpb=1.0)]), open(tmp_path / "seed0" / "summary.json", "w"))
-    with pytest.raises(SystemExit, match="without quartet2; use another --out"):
-        bench.main(["study", "--recipes", "bf16,quartet2", "--seeds", "0", "--out", str(tmp_path)])
+def test_study_refuses_a_seed_trained_with_other_flags(small_data, tmp_path):
+    flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "2",
+             "--eval-tokens", "512", "--data-dir", small_data]
+    study = ["study", "--preset", "tiny", "--recipes", "bf16", "--seeds", "0", "--out", str(tmp_path)]
+    bench.main(study + ["--"] + flags)
+    with pytest.raises(SystemExit, match="cannot change flags that define the run: --lr-matrix"):
+        bench.main(study + ["--"] + flags + ["--lr-matrix", "0.05"])
+
+
+def test_bad_study_and_output_flags_are_refused_before_any_work(tmp_path, capsys):
+    for argv, expected in ((["study", "--recipes", "quartet2,nvidia"], "include it in --recipes"),
+                           (["quant", "--json", str(tmp_path / "missing" / "q.json")], "cannot write"),
+                           (["grad", "--png", str(tmp_path / "missing" / "c.png")], "cannot write")):
+        with pytest.raises(SystemExit):
+            bench.main(argv)
+        assert expected in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("command", ["grad", "study", "train"])
@@ -83,13 +90,6 @@ def test_train_needs_at_least_one_timed_call(capsys):
     with pytest.raises(SystemExit):
         bench.main(["train", "--calls", "0"])
     assert "--calls must be at least 1" in capsys.readouterr().err
-
-
-@pytest.mark.parametrize("command", ["train", "linear"])
-def test_refuses_a_cuda_graph_inside_a_cuda_graph(capsys, command):
-    with pytest.raises(SystemExit):
-        bench.main([command, "--cuda-graph", "--compile-mode", "reduce-overhead"])
-    assert "--cuda-graph captures the compiled step itself" in capsys.readouterr().err
 
 
 @pytest.mark.gpu
