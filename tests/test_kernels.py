@@ -450,3 +450,17 @@ def test_e2m1_bit_trick_equals_the_reference_rounding():
         assert torch.equal(magnitude.cpu()[valid], reference[valid])
         assert torch.equal(code.cpu()[valid], encode_e2m1(reference).int()[valid])
     assert (magnitude.cpu()[x.abs() == 7.0] == 8.0).all()  # unsaturated, 7 would round to 8: callers saturate
+
+
+def test_kernels_refuse_an_nvfp4_tensor_they_cannot_address():
+    q = kernels.triton_quantize(varied(128, 256))
+    strided = NVFP4Tensor(q.codes.t().contiguous().t(), q.group_scale, q.tensor_scale, q.shape)  # a view
+    tiles = kernels.triton_quantize(varied(128, 256), block="16x16")
+    signs = random_signs(device=DEVICE)
+    for call, tensor, message in ((kernels.triton_dequantize, strided, "contiguous"),
+                                  (kernels.eden_phase1_requantize, strided, "contiguous"),
+                                  (kernels.eden_phase1_requantize, tiles, "1x16 groups"),
+                                  (kernels.triton_dequantize, quantize_nvfp4(torch.randn(16, 16)), "multiple of"),
+                                  (kernels.triton_dequantize, varied(128, 256), "NVFP4Tensor")):
+        with pytest.raises(ValueError, match=message):
+            call(tensor, signs) if call is kernels.eden_phase1_requantize else call(tensor)

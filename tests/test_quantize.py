@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import bench
+from eden import quantize_ms_eden, random_signs
 from quantize import (SR_FP4_MAX, E2M1_VALUES, NVFP4Tensor, _quantize_groups, decode_e2m1, e2m1_round, e4m3_round,
                       e4m3_stochastic_round, encode_e2m1, pack_codes, quantize_nvfp4, sr_noise, to_groups,
                       unpack_codes)
@@ -256,3 +257,22 @@ def test_batched_input_quantizes_along_the_last_dimension():
 def test_bad_input_raises_a_clear_error(x, options, message):
     with pytest.raises(ValueError, match=message):
         quantize_nvfp4(x, **options)
+
+
+def test_an_nvfp4_tensor_refuses_parts_that_do_not_fit():
+    q = quantize_nvfp4(torch.randn(32, 64))
+    parts = dict(codes=q.codes, group_scale=q.group_scale, tensor_scale=q.tensor_scale, shape=q.shape, block=q.block)
+    NVFP4Tensor(**parts)  # as made
+    for change in (dict(block="16X16"), dict(shape=torch.Size((32, 128))), dict(codes=q.codes.float()),
+                   dict(group_scale=q.group_scale.view(torch.uint8)), dict(tensor_scale=torch.ones(2)),
+                   dict(codes=q.codes[:, :16]), dict(group_scale=q.group_scale[:16]),
+                   dict(scaled_codes=torch.zeros(32, 32)), dict(block="16x16")):
+        with pytest.raises(ValueError, match="NVFP4Tensor"):
+            NVFP4Tensor(**(parts | change))
+
+
+def test_the_quantizers_give_no_gradient():
+    # A gradient through the tensor scale alone would be meaningless: the results carry none
+    x = torch.randn(128, 128, requires_grad=True)
+    assert not quantize_nvfp4(x).dequantize().requires_grad
+    assert not quantize_ms_eden(x, random_signs()).dequantize().requires_grad
