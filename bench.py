@@ -8,10 +8,9 @@ Measurements. Every number in the README comes from one of these commands:
     python bench.py linear   # forward + backward of one linear layer per recipe, as a ratio to BF16 (GPU)
     python bench.py kernels  # each Triton kernel's time and bandwidth, against the device's copy bandwidth (GPU)
 
-Each prints a table; --json PATH also writes its rows with their provenance (command, commit, device, versions,
-date). GPU times are medians of CUDA-event timings after warm-up; `kernels`, and `linear` and `train` with
---cuda-graph, time replays of CUDA graphs, as train.py runs its micro-batches; ratios compare numbers of the same run.
-On GPUs without FP4 tensor cores (before Blackwell) the NVFP4 GEMMs are emulated in BF16, and the tables say so.
+Each prints a table (--json PATH: its rows and provenance). GPU times are medians of CUDA-event timings after
+warm-up, or with --cuda-graph (always for kernels) of CUDA-graph replays, as train.py runs its micro-batches; ratios
+compare numbers of one run. Before Blackwell the NVFP4 GEMMs are emulated in BF16, and the tables say so.
 
 Quantizer error is ||x - q(x)||^2 / ||x||^2 on N(0, 1) data. Unbiasedness shows as concentration: the mean of B
 independent quantizations (or backward passes) of the same input has error variance / B + bias^2, so for an unbiased
@@ -27,7 +26,9 @@ import sys
 import time
 
 import torch
+import triton
 
+import kernels
 import train
 from eden import inverse_rht, quantize_ms_eden, random_signs
 from model import GPT, RECIPES, Linear, RecipeLinear, make_optimizers, recipe_names
@@ -43,8 +44,7 @@ def ms_eden(x, generator):
     return inverse_rht(quantize_ms_eden(x, signs, generator).dequantize(), signs)
 
 
-# name -> (estimate of x, the paper's Table 1 relative error x 1e-3)
-QUANTIZERS = {
+QUANTIZERS = {  # name -> (estimate of x, the paper's Table 1 relative error x 1e-3)
     "RTN 1x16": (rtn_or_sr(), 9.0),
     "RTN 1x16 + 4/6": (rtn_or_sr(four_over_six=True), 7.6),
     "RTN 16x16": (rtn_or_sr(block="16x16"), 12.4),
@@ -60,12 +60,11 @@ def relative_error(estimate, x):
 
 def concentration(quantizer, x, batch_sizes, generator):
     """Relative error of the mean of B independent quantizations of x, for each B in batch_sizes (increasing)."""
-    errors, total, done = {}, torch.zeros_like(x, dtype=torch.float64), 0
-    for b in batch_sizes:
-        while done < b:
-            total += quantizer(x, generator)
-            done += 1
-        errors[b] = relative_error(total / b, x)
+    errors, total = {}, torch.zeros_like(x, dtype=torch.float64)
+    for done in range(1, max(batch_sizes) + 1):
+        total += quantizer(x, generator)
+        if done in batch_sizes:
+            errors[done] = relative_error(total / done, x)
     return errors
 
 
@@ -94,11 +93,10 @@ def bench_quant(args):
 
 
 def captured_layers(args, device):
-    """(name, X [T, in], W [out, in], E [T, out]) of block 0's q, k and v projections, from one BF16 forward and
-    backward of a d{depth} GPT on the bundled validation text: nanochat's initialization, except that the output
-    projections and lm_head start random instead of at zero (at zero no gradient reaches q, k, v), or the weights of
-    a train.py checkpoint."""
-    if args.tokens < args.seq_len or args.tokens % args.seq_len:
+    """(name, X [T, in], W [out, in], E [T, out]) of block 0's q, k, v projections, from a BF16 forward and backward
+    of a d{depth} GPT on the bundled validation text: with a train.py checkpoint's weights, or nanochat's
+    initialization but random output projections and lm_head (at zero, no gradient would reach q, k, v)."""
+    if args.seq_len < 1 or args.tokens < args.seq_len or args.tokens % args.seq_len:
         raise ValueError(f"--tokens must be a multiple of --seq-len {args.seq_len}, got {args.tokens}")
     torch.manual_seed(args.seed)
     gpt = GPT(args.depth, "bf16", max_seq_len=args.seq_len).to(device)
@@ -132,10 +130,6 @@ def forward_operand(t, q):
     return t.double() if q is None else quantize_nvfp4(t, q.rounding, q.four_over_six, q.block).dequantize().double()
 
 
-def forward_product(recipe, x, w):
-    return forward_operand(x, recipe.x) @ forward_operand(w, recipe.w).t()
-
-
 def exact_gradients(recipe, x, w, e):
     """(dX, dW) that the recipe's backward estimates, in FP64: the exact gradients of its quantized forward, E W_q and
     E^T X_q, except that a weight gradient from the unquantized X (the NVIDIA recipes') estimates E^T X."""
@@ -144,8 +138,7 @@ def exact_gradients(recipe, x, w, e):
 
 
 def bench_grad(args):
-    """The relative error of the mean of B backward passes of a layer against the gradients it estimates, for B = 1,
-    2, 4, ...: an unbiased backward falls like 1/B, a biased one levels off at its bias."""
+    """Error of the mean of B = 1, 2, 4, ... backward passes: falls like 1/B if unbiased, levels off at a bias."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     batches = [2**i for i in range(int(math.log2(args.batches)) + 1)]
     print(f"relative error of the mean of B backward passes, block 0 of a d{args.depth} GPT, {args.tokens} tokens "
@@ -166,7 +159,7 @@ def bench_grad(args):
                     errors[b] = [relative_error(total / b, g) for total, g in zip(sums, exact)]
             for index, gradient in enumerate(("dX", "dW")):
                 curve = [errors[b][index] for b in batches]
-                growth = curve[-1] * batches[-1] / curve[0] if curve[0] > 0 else None
+                growth = curve[-1] * batches[-1] / curve[0] if curve[0] > 1e-10 else None  # else exact (BF16)
                 rows.append(dict(recipe=recipe, layer=name, gradient=gradient, batches=batches, errors=curve,
                                  growth=growth))
                 print(f"{recipe:<24}{name:>6}{gradient:>10}{curve[0]:>11.2e}{curve[-1]:>12.2e}"
@@ -176,8 +169,7 @@ def bench_grad(args):
 
 
 def plot_concentration(rows, path, command):
-    plt = train.pyplot()
-    if plt is None:
+    if (plt := train.pyplot()) is None:
         return
     figure, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, gradient in zip(axes, ("dX", "dW")):
@@ -193,9 +185,7 @@ def plot_concentration(rows, path, command):
 
 
 def bench_study(args):
-    """train.py for every seed, each resumed from what a previous invocation left (which checks that its flags are
-    these), then the comparison: the mean gap to BF16 +- its standard deviation over seeds, and how much smaller
-    Quartet II's gap is than each baseline's (the recipes that quantize both passes; an ablation quantizes one)."""
+    """train.py for every seed (resuming what an earlier invocation left, if its flags are these), then the table."""
     recipes, runs = args.recipes, {}
     for seed in args.seeds:
         out = os.path.join(args.out, f"seed{seed}")
@@ -208,7 +198,8 @@ def bench_study(args):
 
 
 def study_rows(runs, recipes, preset):
-    """The comparison of {seed: {recipe: final validation bpb}}: the table's rows, printed."""
+    """The comparison of {seed: {recipe: final validation bpb}}: the mean gap to BF16 +- its standard deviation over
+    seeds, and how much smaller Quartet II's gap is than each baseline's (recipes that quantize both passes)."""
     gaps = {r: [100 * (bpb[r] / bpb["bf16"] - 1) for bpb in runs.values()] for r in recipes if r != "bf16"}
     mean = {r: sum(g) / len(g) for r, g in gaps.items()}
     std = {r: (sum((x - mean[r]) ** 2 for x in g) / (len(g) - 1)) ** 0.5 for r, g in gaps.items() if len(g) > 1}
@@ -235,34 +226,23 @@ def study_rows(runs, recipes, preset):
 def gpu():
     if not torch.cuda.is_available():
         raise ValueError("this measurement needs a CUDA GPU")
-    import kernels
-    device = torch.device("cuda")
-    native = kernels.native_fp4_available(device)
-    print(f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}, "
-          f"NVFP4 GEMMs {'native (cuBLAS)' if native else 'emulated in BF16 (no FP4 tensor cores)'}")
-    return device
+    native = kernels.native_fp4_available(torch.device("cuda"))
+    print(f"{provenance()}; NVFP4 GEMMs {'native (cuBLAS)' if native else 'emulated in BF16 (no FP4 tensor cores)'}")
+    return torch.device("cuda")
 
 
-def median_ms(fn):
-    import triton.testing
-    return triton.testing.do_bench(fn, warmup=50, rep=300, return_mode="median")
-
-
-def replay_ms(fn):
-    """ms per call of fn, timed as replays of a CUDA graph of back-to-back calls (the median of 10 replays): the
-    GPU's time, without the host's launches in between, as train.py runs a captured micro-batch."""
-    import triton.testing
-    return triton.testing.do_bench_cudagraph(fn, rep=100, return_mode="median")
+def median_ms(fn, graph=False):
+    """ms per call of fn: the median of CUDA-event timings or (graph) of replays of a CUDA graph of back-to-back calls,
+    the GPU's time without the host's launches in between."""
+    from triton.testing import do_bench, do_bench_cudagraph
+    return do_bench_cudagraph(fn, 100, return_mode="median") if graph else do_bench(fn, 50, 300, return_mode="median")
 
 
 def training_step(depth, recipe, args, device, accumulation):
-    """One training step of a fresh model on random tokens, as train.py runs it: `accumulation` micro-batches of
-    forward + backward, then Muon + AdamW. Returns the ms of args.calls forward + backward passes timed back to back
-    by CUDA events (sorted), the host's ms for one of them, the median ms of an optimizer step, and the peak memory
-    (GB) of a whole step. A step whose host time is near its GPU time is bound by the host."""
+    """A training step as train.py runs it, on random tokens: (ms of args.calls forward + backward passes back to back,
+    sorted; the host's ms for one; an optimizer step's median ms; the step's peak memory in GB)."""
     torch.manual_seed(0)
-    model = GPT(depth, recipe, max_seq_len=args.seq_len).to(device)
-    flags = train.parse_args([])  # train.py's default learning rates
+    model, flags = GPT(depth, recipe, max_seq_len=args.seq_len).to(device), train.parse_args([])  # its learning rates
     adamw, muon = make_optimizers(model, flags.lr_matrix, flags.lr_embedding, flags.lr_head)
     runner = train.compile_model(model) if args.compile else model
     batch = torch.randint(0, 50257, (args.device_batch, args.seq_len + 1), device=device)
@@ -302,16 +282,7 @@ def training_step(depth, recipe, args, device, accumulation):
         time.sleep(pause)
     torch.cuda.synchronize()
     ms_host = 1e3 * ((time.perf_counter() - tic) / 5 - pause)
-    ms_optimizer = median_ms(optimizer_step)
-    if args.profile:
-        from torch.profiler import ProfilerActivity
-        with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profiler:
-            for _ in range(3):
-                forward_backward()
-            torch.cuda.synchronize()
-        print(f"--- profile of d{depth} {recipe}, 3 forward + backward passes")
-        print(profiler.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60))
-    return times, ms_host, ms_optimizer, peak_memory
+    return times, ms_host, median_ms(optimizer_step), peak_memory
 
 
 def bench_train(args):
@@ -319,8 +290,7 @@ def bench_train(args):
     tokens = args.device_batch * args.seq_len
     print(f"training step of train.py's presets: micro-batches of {args.device_batch} x {args.seq_len} tokens, BF16 "
           f"autocast, {'compiled' if args.compile else 'eager'}"
-          f"{', each micro-batch captured in a CUDA graph' if args.cuda_graph else ''}"
-          f"{'; --profile: recipes after the first run after a profiler and run slower' if args.profile else ''}")
+          f"{', each micro-batch captured in a CUDA graph' if args.cuda_graph else ''}")
     print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'range ms':>14}{'host ms':>8}{'optim ms':>9}"
           f"{'step ms':>9}{'tokens/s':>11}{'vs bf16':>8}{'peak GB':>8}")
     rows = []
@@ -355,9 +325,8 @@ LINEAR_SHAPES = {
 def bench_linear(args):
     device = gpu()
     print(f"forward + backward of {args.tokens} tokens, {'compiled' if args.compile else 'eager'}"
-          f"{', captured in a CUDA graph' if args.cuda_graph else ''}")
-    print(f"{'layer':<13}{'in->out':>13}{'bf16 ms':>9}{'quartet2':>10}{'nvidia':>9}   peak extra memory GB "
-          f"(bf16 / quartet2 / nvidia)")
+          f"{', captured in a CUDA graph' if args.cuda_graph else ''}\n{'layer':<13}{'in->out':>13}{'bf16 ms':>9}"
+          f"{'quartet2':>10}{'nvidia':>9}   peak extra memory GB (bf16 / quartet2 / nvidia)")
     rows = []
     for name, (d_in, d_out) in LINEAR_SHAPES.items():
         if args.only and not any(word in name for word in args.only):
@@ -394,7 +363,6 @@ def bench_linear(args):
 
 
 def bench_kernels(args):
-    import kernels
     device = gpu()
     rows, cols = args.rows, args.cols
     x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
@@ -403,7 +371,7 @@ def bench_kernels(args):
     phase1 = kernels.eden_phase1(x, signs128)
     source = torch.randn(rows * cols, device=device, dtype=torch.bfloat16)
     target = torch.empty_like(source)
-    copy = 4 * rows * cols / (replay_ms(lambda: target.copy_(source)) * 1e-3)  # bytes read + written per second
+    copy = 4 * rows * cols / (median_ms(lambda: target.copy_(source), graph=True) * 1e-3)  # read + write, per s
     packed, scales, bf16, fp32_scales = 0.5, 1 / 16, 2.0, 4 / 16  # bytes per element
     rtn = 2 + 2 + packed + scales + bf16  # the amax pass reads x, the quantizer reads it and writes three outputs
     cases = {  # name -> (function, bytes read + written per element)
@@ -428,7 +396,7 @@ def bench_kernels(args):
     print(f"{'kernel':<38}{'ms':>8}{'B/elt':>7}{'TB/s':>7}{'% copy':>8}")
     results = []
     for name, (fn, bytes_per_element) in cases.items():
-        ms = replay_ms(fn)
+        ms = median_ms(fn, graph=True)
         bandwidth = bytes_per_element * rows * cols / (ms * 1e-3)
         results.append(dict(kernel=name, ms=ms, bytes_per_element=bytes_per_element, tb_per_s=bandwidth / 1e12,
                             fraction_of_copy=bandwidth / copy))
@@ -437,24 +405,23 @@ def bench_kernels(args):
 
 
 # -----------------------------------------------------------------------------
-# Provenance and flags
+# Flags
 
 
 def provenance():
     """Where a measurement comes from: date, commit, device, versions."""
-    import triton
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    except OSError:
-        commit = "unknown"
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
     device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return f"{time.strftime('%Y-%m-%d')}, commit {commit}, {device}, torch {torch.__version__}, triton {triton.__version__}"
+    return f"{time.strftime('%Y-%m-%d')}, commit {commit}, {device}, torch {torch.__version__}, triton " \
+           f"{triton.__version__}"
+
+
+STUDY_SETS = {"--seed", "--recipe", "--out", "--resume", "--overwrite", "--stop-after", "--preset"}  # of train.py
 
 
 def recipe_list(text):
-    """argparse type of --recipes: model.recipe_names, its error as argparse's."""
-    try:
+    try:  # model.recipe_names, its error as argparse's
         return recipe_names(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
@@ -463,57 +430,60 @@ def recipe_list(text):
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
-    quant = commands.add_parser("quant", help="quantizer error (paper Table 1) and unbiasedness")
-    quant.add_argument("--size", type=int, default=4096, help="the test tensor is size x size")
-    quant.add_argument("--batches", type=int, default=64, help="B for the concentration check")
-    quant.add_argument("--seed", type=int, default=0)
-    grad = commands.add_parser("grad", help="gradient concentration per recipe (the paper's Figure 9)")
-    grad.add_argument("--recipes", type=recipe_list, default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,"
-                                                             "bwd_e_sr46")
-    gpu_there = torch.cuda.is_available()  # on a CPU a smaller model and fewer tokens keep it to ~10 minutes
-    grad.add_argument("--batches", type=int, default=1024 if gpu_there else 256, help="the largest B")
-    grad.add_argument("--depth", type=int, default=12 if gpu_there else 4)
-    grad.add_argument("--tokens", type=int, default=4096 if gpu_there else 1024, help="tokens of the captured inputs")
-    grad.add_argument("--seq-len", type=int, default=512)
-    grad.add_argument("--checkpoint", help="a train.py checkpoint to take the weights from (default: initialized)")
-    grad.add_argument("--seed", type=int, default=0)
-    grad.add_argument("--png", default="concentration.png", help="the log-log plot")
-    study = commands.add_parser("study", help="train.py for recipes x seeds, and the comparison table (GPU)")
-    study.add_argument("--recipes", type=recipe_list, default="bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")
-    study.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    study.add_argument("--preset", default="small")
-    study.add_argument("--out", default="runs/study", help="one train.py run directory per seed below it")
-    study.add_argument("train_flags", nargs="*", help="more train.py flags, after --")
-    training = commands.add_parser("train", help="a training step per recipe (GPU)")
-    training.add_argument("--depth", type=int, nargs="+", default=[12, 20])
-    training.add_argument("--recipes", default="bf16,quartet2,nvidia", type=recipe_list)
-    training.add_argument("--seq-len", type=int, default=2048)
-    training.add_argument("--device-batch", type=int, default=16)
-    training.add_argument("--calls", type=int, default=20, help="forward + backward passes timed per recipe")
-    training.add_argument("--profile", action="store_true", help="also print a torch.profiler table per model (it "
-                                                                 "slows what runs after it)")
-    linear = commands.add_parser("linear", help="one linear layer, forward + backward, per recipe (GPU)")
-    linear.add_argument("--tokens", type=int, default=32768)
-    linear.add_argument("--only", nargs="*", help="layer names containing these words (e.g. 3B d20)")
-    kernel = commands.add_parser("kernels", help="Triton kernels: time and bandwidth (GPU)")
-    kernel.add_argument("--rows", type=int, default=16384)
-    kernel.add_argument("--cols", type=int, default=4096)
-    for command in (training, linear):
-        command.add_argument("--compile", action=argparse.BooleanOptionalAction, default=True,
-                             help="torch.compile as train.py does (default), or --no-compile for eager")
-        command.add_argument("--cuda-graph", action="store_true", help="capture each forward + backward in a CUDA "
-                                                                       "graph and time its replays, as train.py runs")
-    for command in (quant, grad, study, training, linear, kernel):
-        command.add_argument("--json", metavar="PATH", help="also write the rows, with their provenance, as JSON")
+    command = {name: commands.add_parser(name, help=text) for name, text in (
+        ("quant", "quantizer error (paper Table 1) and unbiasedness"), ("grad", "gradient concentration per recipe "
+         "(the paper's Figure 9)"), ("study", "train.py for recipes x seeds, and the comparison table (GPU)"),
+        ("train", "a training step per recipe (GPU)"), ("linear", "one linear layer, forward + backward, per recipe "
+         "(GPU)"), ("kernels", "Triton kernels: time and bandwidth (GPU)"))}
+    quant, grad, study, training, linear, kernel = (command[name].add_argument for name in command)
+    gpu_there = torch.cuda.is_available()  # on a CPU grad's smaller model and fewer tokens keep it to ~10 minutes
+    for add, recipes in ((grad, "quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46"), (training, "bf16,"
+                         "quartet2,nvidia"), (study, "bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")):
+        add("--recipes", type=recipe_list, default=recipes)
+    quant("--size", type=int, default=4096, help="the test tensor is size x size")
+    quant("--batches", type=int, default=64, help="B for the concentration check")
+    grad("--batches", type=int, default=1024 if gpu_there else 256, help="the largest B")
+    grad("--depth", type=int, default=12 if gpu_there else 4)
+    grad("--tokens", type=int, default=4096 if gpu_there else 1024, help="tokens of the captured inputs")
+    grad("--seq-len", type=int, default=512)
+    grad("--checkpoint", help="a train.py checkpoint to take the weights from (default: initialized)")
+    grad("--png", default="concentration.png", help="the log-log plot")
+    study("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    study("--preset", default="small")
+    study("--out", default="runs/study", help="one train.py run directory per seed below it")
+    study("train_flags", nargs="*", help="more train.py flags, after --")
+    training("--depth", type=int, nargs="+", default=[12, 20])
+    training("--seq-len", type=int, default=2048)
+    training("--device-batch", type=int, default=16)
+    training("--calls", type=int, default=20, help="forward + backward passes timed per recipe")
+    linear("--tokens", type=int, default=32768)
+    linear("--only", nargs="*", help="layer names containing these words (e.g. 3B d20)")
+    kernel("--rows", type=int, default=16384)
+    kernel("--cols", type=int, default=4096)
+    for add in (quant, grad):
+        add("--seed", type=int, default=0)
+    for add in (training, linear):
+        add("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile as train.py does")
+        add("--cuda-graph", action="store_true", help="time replays of each forward + backward in a CUDA graph")
+    for add in (quant, grad, study, training, linear, kernel):
+        add("--json", metavar="PATH", help="also write the rows, with their provenance, as JSON")
     args = parser.parse_args(argv)
     args.command_line = f"python bench.py {' '.join(sys.argv[1:] if argv is None else argv)}"
-    if args.command == "train" and args.calls < 1:
-        parser.error("--calls must be at least 1")
-    if args.command == "study" and "bf16" not in args.recipes:
-        parser.error("study compares every recipe with bf16: include it in --recipes")
-    for path in [args.json, getattr(args, "png", None)]:  # before hours of work, not after
-        if path and not os.access(os.path.dirname(os.path.abspath(path)), os.W_OK):
-            parser.error(f"cannot write {path}: its directory does not exist or is not writable")
+    command = args.command
+    for bad, message in ((command == "train" and args.calls < 1, "--calls must be at least 1"),
+                         (command == "study" and "bf16" not in args.recipes, "study compares with bf16: include it"),
+                         (command == "study" and STUDY_SETS & set(args.train_flags), f"study sets {STUDY_SETS} itself"),
+                         (command == "quant" and (args.size % 128 or args.size < 128 or args.batches < 2),
+                          "--size must be a positive multiple of 128 and --batches at least 2"),
+                         (command == "grad" and (args.batches < 2 or args.batches & (args.batches - 1)),
+                          "--batches must be a power of two, at least 2"),
+                         (not 0 <= getattr(args, "seed", 0) < 2**31, "--seed must be in [0, 2^31)")):
+        if bad:
+            parser.error(message)
+    for path, ending in ((args.json, ""), (getattr(args, "png", None), ".png")):  # before hours of work, not after
+        if path and (os.path.isdir(path) or not path.endswith(ending) or not os.access(
+                os.path.dirname(os.path.abspath(path)), os.W_OK)):
+            parser.error(f"cannot write {path}: a {ending or 'file'} path in a writable directory is needed")
     run = dict(quant=bench_quant, grad=bench_grad, study=bench_study, train=bench_train, linear=bench_linear,
                kernels=bench_kernels)[args.command]
     try:

@@ -100,8 +100,9 @@ def random_signs(n=HADAMARD, generator=None, device=None):
 def check_signs(signs, n=None):
     """Raise a ValueError unless signs is a 1-D tensor of +-1 whose length is n (or, without n, a power of two up
     to 128)."""
-    if not isinstance(signs, torch.Tensor) or signs.dim() != 1:
-        raise ValueError(f"signs must be a 1-D tensor of +-1, got {getattr(signs, 'shape', type(signs).__name__)}")
+    if not isinstance(signs, torch.Tensor) or signs.dim() != 1 or not signs.is_floating_point() or signs.is_meta:
+        raise ValueError(f"signs must be a 1-D float tensor of +-1 with data, got {getattr(signs, 'dtype', signs)} "
+                         f"{tuple(getattr(signs, 'shape', ()))}")
     length = signs.numel()
     if (length != n) if n else (length < 2 or length > HADAMARD or length & (length - 1)):
         raise ValueError(f"signs must have {n or 'a power of two up to 128'} entries, got {length}")

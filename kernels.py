@@ -705,12 +705,24 @@ def check_kernel_device(t, what):
         raise ValueError(f"{what} runs on CUDA tensors (or on the CPU under TRITON_INTERPRET=1), got {t.device}")
 
 
-def check_rotation(signs, sizes, what):
-    """Raise a ValueError unless signs is a 1-D tensor whose length is in sizes (the kernels read only their sign
-    bits; the references also check that they are +-1)."""
-    if not isinstance(signs, torch.Tensor) or signs.dim() != 1 or signs.numel() not in sizes:
-        shape = tuple(signs.shape) if isinstance(signs, torch.Tensor) else type(signs).__name__
-        raise ValueError(f"{what} needs 1-D signs of length {' or '.join(map(str, sizes))}, got {shape}")
+def check_rotation(signs, sizes, what, device):
+    """Raise a ValueError unless signs is a 1-D float tensor on device whose length is in sizes (the kernels read only
+    their sign bits; the references also check that they are +-1)."""
+    if not isinstance(signs, torch.Tensor) or signs.dim() != 1 or signs.numel() not in sizes or \
+            not signs.is_floating_point() or signs.device != device:
+        kind = f"{signs.dtype} {tuple(signs.shape)} on {signs.device}" if isinstance(signs, torch.Tensor) else signs
+        raise ValueError(f"{what} needs 1-D float signs of length {' or '.join(map(str, sizes))} on {device}, got "
+                         f"{kind}")
+
+
+def check_outputs(out_dtype, seed, device, what):
+    """Raise a ValueError unless out_dtype is a float dtype the kernels write and seed (if any) is one int64 on device
+    (a kernel reads it there)."""
+    if out_dtype not in KERNEL_DTYPES:
+        raise ValueError(f"{what} writes bfloat16, float16 or float32, not {out_dtype}")
+    if seed is not None and not (isinstance(seed, torch.Tensor) and seed.dtype == torch.int64 and seed.numel() == 1
+                                 and seed.device == device):
+        raise ValueError(f"{what} needs its seed as one int64 on {device}, got {seed!r}")
 
 
 def _ceil_div(a, b):
@@ -776,11 +788,12 @@ def triton_quantize(x, rounding="rtn", four_over_six=False, block="1x16", fp4_ma
     C of 128 (after transposing). Returns an NVFP4Tensor, with code * group_scale in out_dtype if scaled_codes."""
     check_matrix(x, QUANTIZE_ROWS, HADAMARD, "triton_quantize", transpose)
     check_kernel_device(x, "triton_quantize")
+    check_outputs(out_dtype, seed, x.device, "triton_quantize")
     fp8_max = default_fp8_max(four_over_six)
     check_quantizer(rounding, block, fp4_max, fp8_max, four_over_six)
     if signs is not None:
-        check_rotation(signs, ROTATIONS, "triton_quantize")
-        signs = signs.to(device=x.device, dtype=torch.float32)
+        check_rotation(signs, ROTATIONS, "triton_quantize", x.device)
+        signs = signs.float()
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
     codes, scales, tensor_scale, scaled = empty_quantized(rows, cols, block, out_dtype, x.device)
     if rounding == "sr" and seed is None:
@@ -830,7 +843,7 @@ def eden_phase1(x, signs):
     (packed codes, FP32 corrected scales, largest corrected scale as int32 bits)."""
     check_matrix(x, HADAMARD, HADAMARD, "MS-EDEN")
     check_kernel_device(x, "MS-EDEN")
-    check_rotation(signs, (HADAMARD,), "MS-EDEN")
+    check_rotation(signs, (HADAMARD,), "MS-EDEN", x.device)
     return _phase1((x, *x.stride(), None, None, None), signs, *x.shape, x.device, True, _dot_fp32(x))
 
 
@@ -839,7 +852,7 @@ def eden_phase1_requantize(q, signs):
     input, code * group_scale, is exact in BF16: the GPU rotates it on tensor cores whatever q's source was.)"""
     check_nvfp4(q, "requantize_ms_eden", multiple=(HADAMARD, HADAMARD))
     check_kernel_device(q.codes, "requantize_ms_eden")
-    check_rotation(signs, (HADAMARD,), "requantize_ms_eden")
+    check_rotation(signs, (HADAMARD,), "requantize_ms_eden", q.codes.device)
     inputs = (None, 0, 0, q.codes, q.group_scale.view(torch.uint8), q.tensor_scale)  # no x: the NVFP4 tensor
     return _phase1(inputs, signs, *q.shape, q.codes.device, False, INTERPRETED)
 
@@ -848,6 +861,7 @@ def eden_phase2(first, second=None, seed=None, out_dtype=torch.bfloat16, scaled_
     """Phase two for one or two phase-one results (codes, corrected scales, their maximum), in one launch.
     Returns the NVFP4 tensor, or a pair of them."""
     parts = [first] if second is None else [first, second]
+    check_outputs(out_dtype, seed, first[0].device, "MS-EDEN")
     seed = draw_seed(first[0].device) if seed is None else seed
     results, arguments = [], []
     for codes, corrected, amax in parts:
@@ -877,6 +891,7 @@ def triton_dequantize(q, dtype=torch.float32, tensor_scale=True):
     """q.dequantize(dtype, tensor_scale) for a 2-D NVFP4Tensor whose shape is a multiple of [16, 128]."""
     check_nvfp4(q, "triton_dequantize", BLOCKS, (DEQUANTIZE_ROWS, HADAMARD))
     check_kernel_device(q.codes, "triton_dequantize")
+    check_outputs(dtype, None, q.codes.device, "triton_dequantize")
     rows, cols = q.shape
     out = torch.empty(rows, cols, dtype=dtype, device=q.codes.device)
     _dequantize_kernel[(rows // DEQUANTIZE_ROWS, cols // HADAMARD)](
@@ -1020,8 +1035,9 @@ def quantize_op(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2
     x's dtype)."""
     check_matrix(x, QUANTIZE_ROWS, HADAMARD, "quantize_op", transpose)
     check_quantizer(rounding, block, fp4_max, default_fp8_max(four_over_six), four_over_six)
+    check_outputs(out_dtype or x.dtype, None, x.device, "quantize_op")
     if signs is not None:
-        check_rotation(signs, ROTATIONS, "quantize_op")
+        check_rotation(signs, ROTATIONS, "quantize_op", x.device)
     seed = draw_seed(x.device) if rounding == "sr" else None
     parts = torch.ops.nanoquartet.quantize(x, signs, seed, rounding, four_over_six, block, float(fp4_max), transpose,
                                            out_dtype or x.dtype, not native_fp4_available(x.device))
@@ -1031,7 +1047,8 @@ def quantize_op(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max=E2
 def ms_eden_pair_op(x, signs, out_dtype=None):
     """(MS-EDEN of x [R, C] along C, MS-EDEN of x^T along R), both rotated by the 128 signs, from one read of x."""
     check_matrix(x, HADAMARD, HADAMARD, "ms_eden_pair_op")
-    check_rotation(signs, (HADAMARD,), "ms_eden_pair_op")
+    check_rotation(signs, (HADAMARD,), "ms_eden_pair_op", x.device)
+    check_outputs(out_dtype or x.dtype, None, x.device, "ms_eden_pair_op")
     parts = torch.ops.nanoquartet.ms_eden_pair(x, signs, draw_seed(x.device), out_dtype or x.dtype,
                                                not native_fp4_available(x.device))
     return _from_parts(parts[:4], "1x16"), _from_parts(parts[4:], "1x16")
@@ -1040,7 +1057,8 @@ def ms_eden_pair_op(x, signs, out_dtype=None):
 def requantize_ms_eden_op(q, signs, out_dtype=torch.bfloat16):
     """MS-EDEN of the transpose of a saved 1x16 NVFP4 tensor (the backward's re-quantization of X and W)."""
     check_nvfp4(q, "requantize_ms_eden_op", multiple=(HADAMARD, HADAMARD))
-    check_rotation(signs, (HADAMARD,), "requantize_ms_eden_op")
+    check_rotation(signs, (HADAMARD,), "requantize_ms_eden_op", q.codes.device)
+    check_outputs(out_dtype, None, q.codes.device, "requantize_ms_eden_op")
     device = q.codes.device
     parts = torch.ops.nanoquartet.requantize_ms_eden(q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, signs,
                                                      draw_seed(device), out_dtype, not native_fp4_available(device))
@@ -1049,6 +1067,9 @@ def requantize_ms_eden_op(q, signs, out_dtype=torch.bfloat16):
 
 def dequantize_op(q, dtype=torch.float32, tensor_scale=True):
     """q.dequantize(dtype, tensor_scale): the kernel for 2-D CUDA tensors whose shape it tiles, else the reference."""
+    if not isinstance(q, NVFP4Tensor):
+        raise ValueError(f"dequantize_op needs an NVFP4Tensor, got {type(q).__name__}")
+    check_outputs(dtype, None, q.codes.device, "dequantize_op")
     if len(q.shape) != 2:
         return q.dequantize(dtype, tensor_scale)
     return torch.ops.nanoquartet.dequantize(q.codes, q.group_scale.view(torch.uint8), q.tensor_scale, q.block, dtype,
@@ -1142,8 +1163,12 @@ def emulated_mm(a, b, out_dtype):
 
 def nvfp4_mm(a, b, out_dtype=torch.bfloat16):
     """a @ b^T for NVFP4 tensors a [M, K] and b [N, K] quantized along K: native on sm_100+, emulated elsewhere."""
-    if a.shape[-1] != b.shape[-1]:
-        raise ValueError(f"nvfp4_mm needs a common K, got {tuple(a.shape)} and {tuple(b.shape)}")
+    check_nvfp4(a, "nvfp4_mm", BLOCKS, (1, 1))
+    check_nvfp4(b, "nvfp4_mm", BLOCKS, (1, 1))
+    check_outputs(out_dtype, None, a.codes.device, "nvfp4_mm")
+    if a.shape[-1] != b.shape[-1] or a.codes.device != b.codes.device:
+        raise ValueError(f"nvfp4_mm needs a common K and device, got {tuple(a.shape)} on {a.codes.device} and "
+                         f"{tuple(b.shape)} on {b.codes.device}")
     if native_fp4_available(a.codes.device):
         return torch.ops.nanoquartet.native_mm(a.codes, scales_1x16(a).view(torch.uint8), a.tensor_scale, b.codes,
                                                scales_1x16(b).view(torch.uint8), b.tensor_scale, out_dtype)

@@ -24,8 +24,8 @@ makes the backward unbiased with MS-EDEN, so that the gradient is an unbiased es
 *quantized* forward. That is why it re-quantizes the forward's quantized X and W (not the BF16 originals): only their
 packed NVFP4 forms are saved for the backward (0.56 bytes per element instead of 2). The operands of a backward GEMM
 share one set of random signs, so the rotations cancel inside it (eden.py); every call draws fresh signs. The NVIDIA
-recipe's dX is unbiased too, but its dW rounds the rotated X to nearest: its mean is E^T times the
-rotation-averaged RTN of X, neither E^T X nor E^T X_q (`python bench.py grad` shows the bias).
+recipe's backward is unbiased too, for another target: its dW multiplies by the unquantized X (rotated, rounded to
+nearest), so it estimates E^T X, up to the small bias that rounding leaves (`python bench.py grad` measures it).
 
 All quantized operations go through kernels.py: PyTorch operators that run Triton kernels on CUDA and the
 pure-PyTorch references of quantize.py and eden.py elsewhere, and that torch.compile traces, so a whole GPT compiles
@@ -231,7 +231,8 @@ class RecipeLinear(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, w, name):  # x [T, in], w [out, in]; name: a key of RECIPES
-        recipe = RECIPES[name]
+        recipe = RECIPES[recipe_names(name)[0]]
+        check_tokens(name, x.shape[0])
         xq, wq = quantize_operand(x, recipe.x, None), quantize_operand(w, recipe.w, None)  # along in
         ctx.recipe = recipe
         save_for_backward(ctx, saved(x if recipe.x_dw_bf16 else xq, recipe.x_dw), saved(wq, recipe.w_dx))
@@ -275,9 +276,11 @@ def check_tokens(recipe, tokens):
 
 def linear(x, weight, recipe):
     """x [..., in] @ weight^T through the recipe's three GEMMs, in the autocast dtype if autocast is on."""
+    if not (x.is_floating_point() and x.dim()):
+        raise ValueError(f"a linear layer needs floating-point input of at least 1 dimension, got {x.dtype} "
+                         f"{tuple(x.shape)}")
     dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
     tokens = x.reshape(-1, x.shape[-1]).to(dtype)  # [T, in]
-    check_tokens(recipe, tokens.shape[0])
     return RecipeLinear.apply(tokens, weight.to(dtype), recipe).view(*x.shape[:-1], -1)
 
 
@@ -379,9 +382,10 @@ class GPT(nn.Module):
         return [p for p in self.blocks.parameters()]
 
     def forward(self, idx, targets=None, reduction="mean"):  # idx, targets [B, T]
+        if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64) or idx.shape[1] > self.cos.shape[1]:
+            raise ValueError(f"the GPT takes token ids [batch, sequence <= {self.cos.shape[1]}] (int64), got "
+                             f"{idx.dtype} {tuple(idx.shape)}")
         seq = idx.shape[1]
-        if seq > self.cos.shape[1]:
-            raise ValueError(f"sequence length {seq} exceeds the model's maximum {self.cos.shape[1]}")
         cos, sin = self.cos[:, :seq], self.sin[:, :seq]
         x = norm(self.embedding(idx))
         for block in self.blocks:

@@ -31,8 +31,8 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
        code         = E2M1_round(x * (1 / (group_scale * tensor_scale)))           (saturating at +-6)
 
    Every rounding here is to nearest, ties to even. Scales are applied as reciprocals, multiplied rather than
-   divided by, as GPU kernels do (the two can differ in the last bit): a correctly rounded division is a sequence
-   of instructions on a GPU, a multiplication one, and 1 / (fp4_max * tensor_scale) is one number per tensor.
+   divided by, as GPU kernels do (a correctly rounded division costs a GPU many instructions; the two can differ in
+   the last bit).
    Rounding the group scale can shrink it by up to a factor 16/17, which pushes the group maximum a little past
    fp4_max; with fp4_max = 6 it saturates at 6.
 
@@ -41,9 +41,8 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
      up with probability equal to the distance from the lower one (in units of the step). Then
      E[code * group_scale * tensor_scale] = x exactly, as long as nothing clips: SR therefore scales with
      fp4_max = 6 * 16/17 (SR_FP4_MAX), so that even a group scale shrunk by 16/17 keeps the group maximum inside
-     the grid. The random draw has 16 bits, (k + 1/2) / 2^16 for k uniform in 0 ... 2^16 - 1: the probability of
-     rounding up then differs from the exact distance by at most 2^-17 (a bias of at most 2^-17 grid steps, far
-     below anything training sees), and a kernel gets two elements' draws from one 32-bit random number.
+     the grid. The random draw has 16 bits, (k + 1/2) / 2^16 for k uniform in 0 ... 2^16 - 1: a bias of at most
+     2^-17 grid steps, and a kernel gets two elements' draws from one 32-bit random number.
    - Four-over-six (4/6): quantize each group twice, once mapping its maximum to fp4_max (6) and once to
      fp4_max * 4/6 (4, i.e. a group scale 1.5x larger), and keep the one with the smaller squared error (a tie keeps
      6). Mapping to 4 gives up the grid value 6, but the group's largest values then round between 3 and 4 instead
@@ -53,9 +52,8 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
      The squared error: with x' = x / (group_scale * tensor_scale), (x - value * group_scale * tensor_scale)^2 =
      tensor_scale^2 * group_scale^2 * (x' - value)^2, and tensor_scale is the same in both branches. So each
      branch's error is group_scale^2 * sum(units^2), units = trunc(ERROR_UNITS * (|x'| - |value|)): each element's
-     error in integer 1/1024ths of a grid unit. Integers add up to the same sum in any order, and the product with
-     group_scale^2 (8 significant bits) is exact in FP64, so a GPU kernel, which adds in an order of its own, makes
-     exactly the same choice.
+     error in integer 1/1024ths of a grid unit. Integers add up to the same sum in any order and the product with
+     group_scale^2 is exact in FP64, so a GPU kernel, which adds in an order of its own, makes the same choice.
 
 5. NaN and Inf: E2M1 has neither. A NaN or Inf anywhere in the input makes the tensor scale NaN, so the whole tensor
    dequantizes to NaN instead of silently turning into finite numbers.
@@ -88,10 +86,9 @@ BLOCKS = ("1x16", "16x16")
 ROUNDINGS = ("rtn", "sr")
 
 # -----------------------------------------------------------------------------
-# Rounding to a small float grid.
-# A float with m mantissa bits has, in the binade [2^e, 2^(e+1)), the step 2^(e-m). Below its smallest normal
-# exponent e_min the step stays 2^(e_min-m) (subnormals). E2M1: m = 1, e_min = 0, max 6. E4M3: m = 3, e_min = -6,
-# max 448. One function rounds to either.
+# Rounding to a small float grid. With m mantissa bits, the binade [2^e, 2^(e+1)) has the step 2^(e-m); below the
+# smallest normal exponent e_min the step stays 2^(e_min-m) (subnormals). E2M1: m = 1, e_min = 0, max 6; E4M3: m = 3,
+# e_min = -6, max 448. One function rounds to either.
 
 
 def round_to_grid(x, mantissa_bits, min_exponent, max_value, noise=None):
@@ -110,9 +107,8 @@ def round_to_grid(x, mantissa_bits, min_exponent, max_value, noise=None):
 
 
 def sr_noise(shape, generator=None, device=None):
-    """Stochastic rounding's draws: (k + 1/2) / 2^16, k uniform in 0 ... 2^16 - 1 (section 4). Rounding up when
-    noise < d, d the distance from the lower neighbour, has probability ceil(2^16 d - 1/2) / 2^16: within 2^-17 of d,
-    and 0 on the grid (d = 0)."""
+    """Stochastic rounding's draws (k + 1/2) / 2^16, k uniform in 0 ... 2^16 - 1 (section 4): rounding up when noise < d
+    (the distance from the lower neighbour) has probability ceil(2^16 d - 1/2) / 2^16, within 2^-17 of d, 0 at d = 0."""
     k = torch.randint(0, 2**SR_NOISE_BITS, shape, generator=generator, device=device)
     return (k.float() + 0.5) / 2**SR_NOISE_BITS
 
@@ -129,9 +125,7 @@ def e4m3_round(x):
 
 def e4m3_stochastic_round(x, generator=None):
     """Round float32 values up or down to a neighbouring E4M3 value, unbiased inside [-448, 448]."""
-    x = x.float()
-    noise = torch.rand(x.shape, generator=generator, device=x.device)
-    return round_to_grid(x, 3, -6, E4M3_MAX, noise)
+    return round_to_grid(x.float(), 3, -6, E4M3_MAX, torch.rand(x.shape, generator=generator, device=x.device))
 
 
 # -----------------------------------------------------------------------------
@@ -172,12 +166,11 @@ class NVFP4Tensor:
 
     codes:        uint8 [..., R, C/2], two 4-bit codes per byte
     group_scale:  float8_e4m3fn [..., R, C/16] (1x16) or [..., R/16, C/16] (16x16)
-    tensor_scale: float32, 0-dim
+    tensor_scale: float32, one element
     shape:        the logical shape [..., R, C]
     block:        "1x16" or "16x16"
-    scaled_codes: optional code * group_scale in BF16 (exact: at most 6 significant bits), written by the fused
-                  GPU kernels for the BF16 GEMM that stands in for NVFP4 on GPUs without FP4 tensor cores; the
-                  FP32 tensor scale is applied to the GEMM instead (see kernels.nvfp4_mm).
+    scaled_codes: optional code * group_scale in BF16 (exact), for the BF16 GEMM that stands in for NVFP4 on GPUs
+                  without FP4 tensor cores; the tensor scale is applied to its output (kernels.emulated_mm).
     """
 
     codes: torch.Tensor
@@ -189,25 +182,22 @@ class NVFP4Tensor:
 
     def __post_init__(self):
         """Refuse parts that do not fit together (a kernel reading them would read garbage or past their end)."""
-        self.shape = torch.Size(self.shape)
-        if self.block not in BLOCKS or len(self.shape) < (1 if self.block == "1x16" else 2):
-            raise ValueError(f"NVFP4Tensor: block must be one of {BLOCKS} (16x16 needs 2 dimensions), got "
+        self.shape, tiled = torch.Size(self.shape), self.block == "16x16"
+        if self.block not in BLOCKS or len(self.shape) < 1 + tiled or any(n % GROUP for n in self.shape[-1 - tiled:]):
+            raise ValueError(f"NVFP4Tensor: block must be one of {BLOCKS}, over sizes that are multiples of 16, got "
                              f"{self.block!r} for shape {tuple(self.shape)}")
         *lead, cols = self.shape
-        scale_shape = (*lead, cols // GROUP) if self.block == "1x16" else (*lead[:-1], lead[-1] // GROUP, cols // GROUP)
-        expected = dict(codes=(torch.uint8, (*lead, cols // 2)), group_scale=(torch.float8_e4m3fn, scale_shape),
-                        tensor_scale=(torch.float32, None))
-        for name, (dtype, shape) in expected.items():
-            part = getattr(self, name)
-            if not isinstance(part, torch.Tensor) or part.dtype != dtype or (
-                    part.shape != shape if shape else part.numel() != 1) or part.device != self.codes.device:
-                described = f"{part.dtype} {tuple(part.shape)} on {part.device}" if isinstance(part, torch.Tensor) \
-                    else type(part).__name__
-                raise ValueError(f"NVFP4Tensor of shape {tuple(self.shape)} ({self.block}): {name} must be {dtype} "
-                                 f"{shape or '(one element)'} on {self.codes.device}, got {described}")
-        if self.scaled_codes is not None and self.scaled_codes.shape != self.shape:
-            raise ValueError(f"NVFP4Tensor: scaled_codes must have the shape {tuple(self.shape)}, got "
-                             f"{tuple(self.scaled_codes.shape)}")
+        tiles = (*lead[:-1], lead[-1] // GROUP) if tiled else lead
+        for name, dtype, shape in (("codes", torch.uint8, (*lead, cols // 2)), ("tensor_scale", torch.float32, ()),
+                                   ("group_scale", torch.float8_e4m3fn, (*tiles, cols // GROUP)),
+                                   ("scaled_codes", None, tuple(self.shape))):  # None: any float dtype
+            part, device = getattr(self, name), getattr(self.codes, "device", None)
+            if (name != "scaled_codes" or part is not None) and (
+                    not isinstance(part, torch.Tensor) or part.dtype != (dtype or part.dtype) or part.device != device
+                    or not (dtype or part.is_floating_point()) or tuple(part.shape) != shape):
+                raise ValueError(f"NVFP4Tensor of shape {tuple(self.shape)} ({self.block}): {name} must be "
+                                 f"{dtype or 'floating-point'} {shape} on {device}, got "
+                                 f"{getattr(part, 'dtype', type(part).__name__)} {tuple(getattr(part, 'shape', ()))}")
 
     def element_scales(self):
         """group_scale expanded to one float32 per element: [..., R, C]."""
@@ -244,8 +234,7 @@ class NVFP4Tensor:
 
 
 def check_quantizable(x, multiple, dims=1, what="quantize_nvfp4"):
-    """Raise a ValueError that says what is required unless x is a non-empty float tensor with data whose last
-    `dims` sizes are multiples of `multiple`."""
+    """A ValueError unless x is a non-empty float tensor with data, its last `dims` sizes multiples of `multiple`."""
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise ValueError(f"{what} needs a floating-point tensor (float32, bfloat16 or float16), got {kind}")

@@ -59,13 +59,18 @@ EOT = 50256
 RUNS = "runs"
 PRESETS = {  # a flat set of defaults per size; any flag given on the command line wins
     "tiny": dict(depth=2, seq_len=128, device_batch=8, batch_tokens=1024, steps=40, eval_every=20, eval_tokens=8192),
-    "small": dict(depth=4, seq_len=512, device_batch=64, batch_tokens=2**16, steps=200, eval_every=50, eval_tokens=2**18),
-    "d12": dict(depth=12, seq_len=1024, device_batch=32, batch_tokens=2**17, steps=140, eval_every=35, eval_tokens=2**18),
-    "d20": dict(depth=20, seq_len=2048, device_batch=32, batch_tokens=2**19, steps=2000, eval_every=250, eval_tokens=2**20),
+    "small": dict(depth=4, seq_len=512, device_batch=64, batch_tokens=2**16, steps=200, eval_every=50,
+                  eval_tokens=2**18),
+    "d12": dict(depth=12, seq_len=1024, device_batch=32, batch_tokens=2**17, steps=140, eval_every=35,
+                eval_tokens=2**18),
+    "d20": dict(depth=20, seq_len=2048, device_batch=32, batch_tokens=2**19, steps=2000, eval_every=250,
+                eval_tokens=2**20),
 }
 # The flags that define a run: --resume refuses to change them (--steps may grow: that extends the run).
-RUN_FLAGS = ("depth", "seq_len", "batch_tokens", "warmup_steps", "warmdown", "lr_matrix", "lr_embedding", "lr_head",
-             "eval_tokens", "data", "hf_dataset", "hf_config", "hf_files", "val_docs", "dtype", "seed")
+# (the validation windows are a multiple of --device-batch: changing it would change the validation set).
+RUN_FLAGS = ("depth", "seq_len", "batch_tokens", "device_batch", "warmup_steps", "warmdown", "lr_matrix",
+             "lr_embedding", "lr_head", "eval_tokens", "data", "hf_dataset", "hf_config", "hf_files", "val_docs",
+             "dtype", "seed")
 RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "run.json")  # and a checkpoint.pt per recipe
 TEMPORARY = re.compile(r"^(run\.json|metrics\.jsonl|summary\.json|loss\.png|checkpoint\.pt)\.\d+\.tmp$")
 
@@ -109,7 +114,7 @@ def local_texts(split, data_dir=DATA_DIR):
     for name in files:
         try:
             with gzip.open(name, "rt", encoding="utf-8") as f:
-                texts += [json.loads(line)["text"] for line in f]
+                texts += [json.loads(line)["text"] for line in f if line.strip()]
             if not all(isinstance(text, str) for text in texts):
                 raise ValueError("a \"text\" that is not a string")
         except (OSError, EOFError, ValueError, KeyError, TypeError) as error:
@@ -130,7 +135,7 @@ def streamed_texts(path, name=None, data_files=None, skip=0):
             if not isinstance(row.get("text"), str):
                 raise ValueError(f"a document without a \"text\" string: {str(row)[:80]}")
             yield row["text"]
-    except (OSError, ValueError, KeyError, ConnectionError) as error:
+    except (OSError, ValueError, KeyError, ConnectionError, RuntimeError) as error:
         raise TrainingError(f"could not stream {path} ({type(error).__name__}: {str(error)[:200]}); --data hf "
                             f"needs the network, or local files with --hf-dataset json --hf-files ...") from None
 
@@ -140,12 +145,11 @@ def data_sources(args, tokenizer):
     the data's fingerprint): the bundled sample with the SHA-256 of its files, or the stream after its first
     --val-docs documents, the validation split."""
     if args.data == "local":
-        digest = hashlib.sha256()
+        digest, train, val = hashlib.sha256(), local_texts("train", args.data_dir), local_texts("val", args.data_dir)
         for name in local_files(args.data_dir, "train") + local_files(args.data_dir, "val"):
-            with open(name, "rb") as f:
+            with open(name, "rb") as f:  # readable: local_texts read it
                 digest.update(os.path.basename(name).encode() + f.read())
-        return (shuffled_epochs(tokenize(tokenizer, local_texts("train", args.data_dir)), args.seed),
-                tokenize(tokenizer, local_texts("val", args.data_dir)), digest.hexdigest())
+        return shuffled_epochs(tokenize(tokenizer, train), args.seed), tokenize(tokenizer, val), digest.hexdigest()
     name = args.hf_config or None
     validation = list(itertools.islice(streamed_texts(args.hf_dataset, name, args.hf_files), args.val_docs))
 
@@ -234,8 +238,13 @@ class Processes:
     """This process's device and rank, and the number of processes (DDP under torchrun; else one)."""
 
     def __init__(self, device):
+        try:  # torchrun's environment, or none
+            self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+            assert 0 <= self.rank < self.world and ("RANK" in os.environ) == ("WORLD_SIZE" in os.environ)
+        except (ValueError, AssertionError):
+            raise TrainingError(f"RANK={os.environ.get('RANK')} and WORLD_SIZE={os.environ.get('WORLD_SIZE')} are not "
+                                f"a process of a group: start several processes with torchrun") from None
         self.distributed = "RANK" in os.environ
-        self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
         try:
             self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         except RuntimeError:
@@ -441,7 +450,7 @@ def train_recipe(recipe, args, processes, data, run_id, progress):
     throughput = history["tokens_per_s"]
     return dict(recipe=recipe, val_bpb=history["final_bpb"], steps=args.steps, tokens=args.steps * args.batch_tokens,
                 peak_memory_gb=history["peak_memory_gb"],
-                tokens_per_s=sum(throughput) / len(throughput) if throughput else float("nan"))
+                tokens_per_s=sum(throughput) / len(throughput) if throughput else None)
 
 
 def lr_multiplier(step, steps, warmup, warmdown):
@@ -457,43 +466,59 @@ def lr_multiplier(step, steps, warmup, warmdown):
 
 
 def open_run(args, processes, fingerprint):
-    """(the run's id, the lock's release). Chooses OUT: a new runs/<date>-<time>-<id> (then runs/latest), --out, or
-    for --resume runs/latest; locks it with an flock the OS drops when its process ends, even by a crash; removes
-    what a killed run left half-written. --resume continues OUT's run if the flags and data are its own. A new run
-    takes only an empty directory, or one whose run it replaces with --overwrite, removing that run's files only."""
-    if args.out is None and not args.resume:
-        args.out = os.path.join(RUNS, processes.gather(f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}")[0])
-    args.out = args.out or os.path.realpath(os.path.join(RUNS, "latest"))
-    path, release = os.path.join(args.out, "run.json"), None
-    if args.resume and not os.path.isfile(path):
-        raise TrainingError(f"nothing to resume: {path} not found (name the run's directory with --out)")
-    if processes.rank == 0:  # the one process that writes to OUT
+    """(the run's id, the lock's release). Rank 0 decides for every rank: it chooses OUT (a new runs/<date>-<time>-<id>,
+    which becomes runs/latest; --out; or for --resume runs/latest), locks it with an flock the OS drops when its
+    process ends, even by a crash, removes what a killed run left half-written, and checks or writes run.json."""
+    release, outcome = None, None
+    if processes.rank == 0:
+        fresh = args.out is None and not args.resume
+        out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}") if fresh else \
+            os.path.realpath(args.out or os.path.join(RUNS, "latest"))
         try:
-            os.makedirs(args.out, exist_ok=True)
-            held = open(os.path.join(args.out, ".lock"), "a")
-        except OSError as error:
-            raise TrainingError(f"--out {args.out} is not a writable directory ({error.strerror})") from None
-        try:
-            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            held.close()
-            raise TrainingError(f"{args.out} is in use by another run; wait for it or use another --out") from None
-        release = held.close
-    try:
-        for directory in [args.out] + [os.path.join(args.out, recipe) for recipe in RECIPES] if release else []:
-            for name in os.listdir(directory) if os.path.isdir(directory) else []:
-                if TEMPORARY.match(name):  # this program's temporary files only, and none is being written
-                    os.remove(os.path.join(directory, name))
-        return new_run(args, processes, fingerprint, path), release
-    except BaseException:
-        release and release()
-        raise
+            if args.resume and not os.path.isfile(os.path.join(out, "run.json")):
+                raise TrainingError(f"nothing to resume: {out}/run.json not found (name the run's directory with "
+                                    f"--out)")
+            try:
+                os.makedirs(out, exist_ok=True)
+                held = open(os.path.join(out, ".lock"), "a")
+            except OSError as error:
+                raise TrainingError(f"--out {out} is not a writable directory ({error.strerror})") from None
+            try:
+                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                held.close()
+                raise TrainingError(f"{out} is in use by another run; wait for it or use another --out") from None
+            release = held.close
+            for directory in [out] + [os.path.join(out, recipe) for recipe in RECIPES]:
+                for name in os.listdir(directory) if os.path.isdir(directory) else []:
+                    if TEMPORARY.match(name):  # this program's temporary files only, and none is being written
+                        os.remove(os.path.join(directory, name))
+            outcome = out, check_run(args, out, processes.world, fingerprint)
+            if fresh:
+                latest = os.path.join(RUNS, "latest")
+                if os.path.islink(latest) or not os.path.exists(latest):
+                    with contextlib.suppress(FileNotFoundError):
+                        os.remove(f"{latest}.tmp")
+                    os.symlink(os.path.basename(out), f"{latest}.tmp")
+                    os.replace(f"{latest}.tmp", latest)  # atomically
+        except (TrainingError, OSError) as error:
+            outcome = None, str(error)
+    args.out, answer = processes.gather(outcome)[0]
+    if args.out is None:
+        if release:
+            release()
+        raise TrainingError(answer)
+    return answer, release
 
 
-def new_run(args, processes, fingerprint, path):
-    """The run's id, from OUT/run.json (--resume) or for a new run written there (see open_run)."""
-    flags = {name: getattr(args, name) for name in RUN_FLAGS} | dict(world=processes.world)
-    if os.path.exists(path):
+def check_run(args, out, world, fingerprint):
+    """The run's id: with --resume OUT/run.json's, whose flags and data must be the ones given; else a new run's,
+    written to OUT/run.json. A new run takes only an empty directory, or one whose run it replaces with --overwrite
+    (removing that run's files, and only those)."""
+    path = os.path.join(out, "run.json")
+    flags = {name: getattr(args, name) for name in RUN_FLAGS if args.data == "hf" or not name.startswith(
+        ("hf_", "val_"))} | dict(world=world)
+    if os.path.exists(path) and not args.overwrite:
         try:
             with open(path) as f:
                 run = json.load(f)
@@ -501,32 +526,25 @@ def new_run(args, processes, fingerprint, path):
         except (OSError, ValueError, AttributeError, AssertionError):
             raise TrainingError(f"{path} is not a run.json of train.py; restore it, or start over with "
                                 f"--overwrite") from None
-        if not args.resume and not args.overwrite:
-            raise TrainingError(f"{args.out} holds a run: continue it with --resume, replace it with --overwrite, "
-                                f"or use another --out")
-        if args.resume:
-            changed = [f"--{name.replace('_', '-')} {run['flags'].get(name)!r} -> {value!r}"
-                       for name, value in flags.items() if run["flags"].get(name) != value]
-            if changed:
-                raise TrainingError(f"--resume cannot change flags that define the run: {', '.join(changed)}")
-            if run.get("data_sha256") != fingerprint:
-                raise TrainingError(f"the training data is not the run's (another --data-dir, or changed files); "
-                                    f"resume with the data {args.out} was started with")
-            return run["run_id"]
-        for name in (RUN_FILES[:3] + tuple(os.path.join(r, "checkpoint.pt") for r in RECIPES)) * (processes.rank == 0):
+        if not args.resume:
+            raise TrainingError(f"{out} holds a run: continue it with --resume, replace it with --overwrite, or "
+                                f"use another --out")
+        changed = [f"--{name.replace('_', '-')} {run['flags'].get(name)!r} -> {value!r}"
+                   for name, value in flags.items() if run["flags"].get(name) != value]
+        if changed:
+            raise TrainingError(f"--resume cannot change flags that define the run: {', '.join(changed)}")
+        if run.get("data_sha256") != fingerprint:
+            raise TrainingError(f"the training data is not the run's (another --data-dir, or changed files); resume "
+                                f"with the data {out} was started with")
+        return run["run_id"]
+    if os.path.exists(path):  # --overwrite: the replaced run's files, and only those
+        for name in RUN_FILES[:3] + tuple(os.path.join(r, "checkpoint.pt") for r in RECIPES):
             with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(args.out, name))  # --overwrite: the replaced run's files, and only those
-    elif set(os.listdir(args.out)) - {".lock"}:
-        raise TrainingError(f"{args.out} holds files that are not a run of train.py; use an empty or new --out")
-    run = dict(run_id=processes.gather(uuid.uuid4().hex)[0], flags=flags, data_sha256=fingerprint)
-    if processes.rank == 0:
-        write_atomically(path, json.dumps(run, indent=1).encode())
-        if os.path.dirname(os.path.abspath(args.out)) == os.path.abspath(RUNS):
-            latest = os.path.join(RUNS, "latest")
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(f"{latest}.tmp")
-            os.symlink(os.path.basename(args.out), f"{latest}.tmp")
-            os.replace(f"{latest}.tmp", latest)  # atomically
+                os.remove(os.path.join(out, name))
+    elif set(os.listdir(out)) - {".lock"}:
+        raise TrainingError(f"{out} holds files that are not a run of train.py; use an empty or new --out")
+    run = dict(run_id=uuid.uuid4().hex, flags=flags, data_sha256=fingerprint)
+    write_atomically(path, json.dumps(run, indent=1).encode())
     return run["run_id"]
 
 
@@ -556,7 +574,10 @@ def save_checkpoint(path, state):
     torch.save(state, buffer)
     payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
     torch.save(dict(payload=payload, sha256=hashlib.sha256(payload.numpy()).hexdigest()), outer)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+    except OSError as error:
+        raise TrainingError(f"could not write {path} ({error.strerror})") from None
     write_atomically(path, outer.getvalue())
 
 
@@ -582,10 +603,15 @@ def load_checkpoint(path, run_id=None, recipe=None):
 def read_metrics(out):
     """The records of OUT/metrics.jsonl; a line that is not one (a crash while writing) is skipped."""
     path, records = os.path.join(out, "metrics.jsonl"), []
-    for line in open(path) if os.path.exists(path) else []:
+    try:
+        lines = open(path, errors="replace").readlines() if os.path.exists(path) else []
+    except OSError as error:
+        raise TrainingError(f"{path} is unreadable ({error.strerror})") from None
+    for line in lines:
         with contextlib.suppress(ValueError, AttributeError):
             record = json.loads(line)
-            if isinstance(record.get("recipe"), str) and isinstance(record.get("step"), int):
+            if isinstance(record.get("recipe"), str) and isinstance(record.get("step"), int) and isinstance(
+                    record.get("loss"), float):
                 records.append(record)
     return records
 
@@ -616,7 +642,8 @@ def summarize(rows, processes, args, run_id):
         r["gap_pct"] = 100 * (r["val_bpb"] / baseline - 1) if baseline and r["val_bpb"] else None
         gap = f"{r['gap_pct']:+.2f}%" if r["gap_pct"] is not None else "-"
         memory = f"{r['peak_memory_gb']:.1f} GB" if r["peak_memory_gb"] is not None else "-"
-        processes.log(f"{r['recipe']:<14}{r['val_bpb']:>10.4f}{gap:>13}{r['tokens_per_s']:>12,.0f}{memory:>13}")
+        speed = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"  # measured after 3 steps
+        processes.log(f"{r['recipe']:<14}{r['val_bpb']:>10.4f}{gap:>13}{speed:>12}{memory:>13}")
     device, emulated = processes.device, not native_fp4_available(processes.device)
     processes.log("One seed per recipe: at small sizes a gap of a few tenths of a percent is within the noise between "
                   "seeds (bench.py study measures it).\n" + (
@@ -732,15 +759,22 @@ def resolve(args, processes):
         args.compile
     if args.cuda_graph and (not cuda or processes.distributed):
         raise TrainingError("--cuda-graph runs on one GPU (on several, DDP's gradient all-reduce is not captured)")
-    args.cuda_graph = cuda and args.compile and not processes.distributed if args.cuda_graph is None else args.cuda_graph
+    if args.cuda_graph is None:
+        args.cuda_graph = cuda and args.compile and not processes.distributed
     smallest = dict(depth=1, seq_len=1, device_batch=1, batch_tokens=1, steps=1, eval_every=1, eval_tokens=1,
                     checkpoint_every=1, warmup_steps=0, stop_after=0, val_docs=0)
     for name, least in smallest.items():
         if getattr(args, name) < least:
             raise TrainingError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
     for name in ("lr_matrix", "lr_embedding", "lr_head"):
-        if not 0 < getattr(args, name) < math.inf:  # also refuses NaN
+        if not 0 < getattr(args, name) < torch.finfo(torch.float32).max:  # also refuses NaN
             raise TrainingError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
+    if not 0 <= args.seed < 2**31:
+        raise TrainingError(f"--seed must be in [0, 2^31), got {args.seed}")
+    if args.out is not None and not args.out.strip():
+        raise TrainingError("--out is empty: name a directory, or leave it out for a new one in runs/")
+    if args.data == "hf" and args.hf_dataset == "json" and not args.hf_files:
+        raise TrainingError("--hf-dataset json reads the files given with --hf-files")
     if not 0 <= args.warmdown <= 1:
         raise TrainingError(f"--warmdown must be a fraction in [0, 1], got {args.warmdown}")
     if args.overwrite and (args.resume or args.out is None):
@@ -809,9 +843,15 @@ def main(argv=None):
             summarize(rows, processes, args, run_id)
     except TrainingError as error:
         sys.exit(f"train.py: error: {error}")
-    except torch.cuda.OutOfMemoryError:
-        sys.exit(f"train.py: error: out of GPU memory with micro-batches of {args.device_batch} x {args.seq_len} "
-                 f"tokens; halve --device-batch (gradient accumulation keeps the step's tokens)")
+    except (torch.cuda.OutOfMemoryError, MemoryError):
+        sys.exit(f"train.py: error: out of memory with micro-batches of {args.device_batch} x {args.seq_len} tokens; "
+                 f"halve --device-batch (gradient accumulation keeps the step's tokens), or use a smaller model")
+    except KeyboardInterrupt:
+        sys.exit("train.py: interrupted; --resume continues from the last checkpoint")
+    except RuntimeError as error:
+        if "can't allocate memory" not in str(error):  # the CPU's out-of-memory
+            raise
+        sys.exit(f"train.py: error: out of memory ({str(error).splitlines()[0][:80]}); halve --device-batch")
     finally:
         if release:
             release()

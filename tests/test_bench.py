@@ -58,9 +58,16 @@ def test_study_refuses_a_seed_trained_with_other_flags(small_data, tmp_path):
 
 
 def test_bad_study_and_output_flags_are_refused_before_any_work(tmp_path, capsys):
-    for argv, expected in ((["study", "--recipes", "quartet2,nvidia"], "include it in --recipes"),
+    for argv, expected in ((["study", "--recipes", "quartet2,nvidia"], "include it"),
                            (["quant", "--json", str(tmp_path / "missing" / "q.json")], "cannot write"),
-                           (["grad", "--png", str(tmp_path / "missing" / "c.png")], "cannot write")):
+                           (["grad", "--png", str(tmp_path / "missing" / "c.png")], "cannot write"),
+                           (["quant", "--json", str(tmp_path)], "cannot write"),
+                           (["grad", "--png", str(tmp_path / "c.xyz")], "cannot write"),
+                           (["quant", "--batches", "1"], "--batches at least 2"),
+                           (["quant", "--size", "100"], "positive multiple of 128"),
+                           (["grad", "--batches", "3"], "power of two"),
+                           (["quant", "--seed", "100000000000000000000"], "--seed must be in"),
+                           (["study", "--", "--seed", "7"], "study sets")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert expected in capsys.readouterr().err

@@ -125,7 +125,10 @@ def test_float_dtypes(dtype):
     (torch.ones(4, 128, dtype=torch.int64), random_signs(), "floating-point"),
     (torch.randn(4, 128), random_signs(64), "signs must have 128 entries"),
     (torch.randn(4, 128), random_signs() * 2, "only \\+1 and -1"),
-    (torch.randn(4, 128), random_signs().view(2, 64), "1-D tensor"),
+    (torch.randn(4, 128), random_signs().view(2, 64), "1-D float tensor"),
+    (torch.randn(4, 128), torch.full((128,), 1j), "1-D float tensor"),
+    (torch.randn(4, 128), torch.ones(128, dtype=torch.bool), "1-D float tensor"),
+    (torch.randn(4, 128), torch.ones(128, device="meta"), "with data"),
 ])
 def test_bad_input_raises_a_clear_error(x, signs, message):
     with pytest.raises(ValueError, match=message):

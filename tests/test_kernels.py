@@ -464,3 +464,22 @@ def test_kernels_refuse_an_nvfp4_tensor_they_cannot_address():
                                   (kernels.triton_dequantize, varied(128, 256), "NVFP4Tensor")):
         with pytest.raises(ValueError, match=message):
             call(tensor, signs) if call is kernels.eden_phase1_requantize else call(tensor)
+
+
+def test_seeds_signs_and_output_dtypes_are_checked():
+    x = varied(32, 128)
+    for call, message in ((lambda: kernels.triton_quantize(x, rounding="sr", seed=torch.tensor([], dtype=torch.long,
+                                                                                               device=DEVICE)), "seed"),
+                          (lambda: kernels.triton_quantize(x, rounding="sr", seed=torch.tensor([1.5], device=DEVICE)),
+                           "seed"),
+                          (lambda: kernels.triton_quantize(x, out_dtype=torch.int32), "writes bfloat16"),
+                          (lambda: kernels.quantize_op(x.cpu(), signs=torch.ones(16, device="meta")), "float signs"),
+                          (lambda: kernels.quantize_op(x.cpu(), signs=torch.ones(16, dtype=torch.bool)), "float signs"),
+                          (lambda: kernels.quantize_op(x.cpu(), out_dtype=torch.bool), "writes bfloat16"),
+                          (lambda: kernels.dequantize_op(x, torch.float32), "needs an NVFP4Tensor"),
+                          (lambda: kernels.nvfp4_mm(quantize_nvfp4(torch.randn(16, 32)), x), "NVFP4Tensor")):
+        with pytest.raises(ValueError, match=message):
+            call()
+    q = quantize_nvfp4(torch.randn(32, 128))
+    with pytest.raises(ValueError, match="writes bfloat16"):
+        kernels.nvfp4_mm(q, q, torch.int32)

@@ -266,7 +266,8 @@ def test_an_nvfp4_tensor_refuses_parts_that_do_not_fit():
     for change in (dict(block="16X16"), dict(shape=torch.Size((32, 128))), dict(codes=q.codes.float()),
                    dict(group_scale=q.group_scale.view(torch.uint8)), dict(tensor_scale=torch.ones(2)),
                    dict(codes=q.codes[:, :16]), dict(group_scale=q.group_scale[:16]),
-                   dict(scaled_codes=torch.zeros(32, 32)), dict(block="16x16")):
+                   dict(scaled_codes=torch.zeros(32, 32)), dict(block="16x16"), dict(shape=torch.Size((32, 8))),
+                   dict(tensor_scale=q.tensor_scale.reshape(1, 1)), dict(scaled_codes=torch.zeros(32, 64).long())):
         with pytest.raises(ValueError, match="NVFP4Tensor"):
             NVFP4Tensor(**(parts | change))
 

@@ -1,152 +1,23 @@
 """The GPUs this suite never runs on: every Triton kernel variant the launchers use compiles for Hopper (sm_90) and for
-Blackwell (sm_100, sm_120) within each target's registers and shared memory, and a quantized GPT takes the native
-NVFP4 GEMM through torch.compile's Inductor.
-
-The kernels are compiled, not run. Run as a script (python tests/test_targets.py OUT.json 90 100 120) this file
-imports kernels.py without the interpreter, records every kernel launch of a training step's linear layers (every
-recipe, BF16 and FP32, at the target's launch shapes; launches recorded instead of run) and compiles each with
-Triton for each target, through a stand-in for Triton's GPU driver that names the target, with the launch's own
-grid, constants, warps and register cap; ptxas reports each build's registers, spills and shared memory."""
+Blackwell (sm_100, sm_120) within each target's registers and shared memory (compiled, not run, by
+tests/compile_targets.py), and a quantized GPT takes the native NVFP4 GEMM through torch.compile's Inductor, with
+cuBLAS's part simulated from its documented layouts."""
 
 import json
 import os
-import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
 
 import eden
 import kernels
+from compile_targets import ROOT, TARGETS
 from conftest import forward_backward, random_gpt
 from quantize import decode_e2m1, quantize_nvfp4, unpack_codes
 
-# target -> (multiprocessors, shared memory per multiprocessor, the most one program may take), from NVIDIA's
-# tuning guides: H100/H200, B200, RTX 5090
-TARGETS = {90: (132, 228 * 1024, 227 * 1024), 100: (148, 228 * 1024, 227 * 1024), 120: (170, 100 * 1024, 99 * 1024)}
 REGISTERS_PER_MULTIPROCESSOR = 65536
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-# --- the script: record launches, compile them per target -------------------------------------------------------
-
-def record_launches(arch):
-    """Every distinct kernel launch of the linear layers' forward + backward in every recipe, BF16 and FP32, as the
-    launchers would make them on `arch` (a native NVFP4 GEMM from sm_100 on, whose quantizers skip the BF16
-    operand; its refusal by cuBLASLt falls back to the dequantization kernel). Returns [(kernel, grid, args, meta)]."""
-    from triton.runtime.jit import JITFunction
-    import kernels
-    import model
-    multiprocessors, shared, _ = TARGETS[arch]
-    kernels._on_gpu = lambda t: True  # the operators take the kernels' path for CPU tensors,
-    kernels.check_kernel_device = lambda t, what: None  # the launchers accept them,
-    kernels._gpu = lambda device: (multiprocessors, shared)  # and size their launches for the target
-    kernels.native_fp4_available = lambda device: arch >= 100
-    torch.nn.functional.scaled_mm = lambda **arguments: (_ for _ in ()).throw(RuntimeError("no GPU here"))
-    launches, seen = [], set()
-
-    def record(kernel, *args, grid, warmup, **meta):
-        key = (kernel.__name__, tuple(str(a.dtype) if isinstance(a, torch.Tensor) else type(a).__name__
-                                      for a in args), tuple(sorted(meta.items())))
-        if key not in seen:
-            seen.add(key)
-            launches.append((kernel, grid, args, meta))
-    JITFunction.run = record
-    for dtype in (torch.bfloat16, torch.float32):
-        for recipe in model.RECIPES:
-            x = torch.randn(256, 256, dtype=dtype, requires_grad=True)
-            w = torch.randn(384, 256, dtype=dtype, requires_grad=True)
-            model.RecipeLinear.apply(x, w, recipe).backward(torch.randn(256, 384, dtype=dtype))
-        # MS-EDEN phase one loops over a number of tiles fixed at compile time: a d12 micro-batch's too
-        e = torch.randn(32768, 768, dtype=dtype)
-        kernels.eden_phase1(e, torch.ones(128))
-        kernels.eden_phase1_requantize(kernels.triton_quantize(e, scaled_codes=False), torch.ones(128))
-    return launches
-
-
-def ptxas_resources(compiled, arch):
-    """Registers, stack and spills (bytes) of a compiled kernel, from the ptxas that built it."""
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = os.path.join(tools, "ptxas-blackwell" if arch >= 100 else "ptxas")
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
-        source.write(compiled.asm["ptx"])
-        source.flush()
-        log = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{arch}a", source.name, "-o", os.devnull],
-                             capture_output=True, text=True, check=True).stderr
-    stack, stores, loads = map(int, re.search(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes "
-                                              r"spill loads", log).groups())
-    return dict(registers=int(re.search(r"Used (\d+) registers", log).group(1)), stack=stack, spill_stores=stores,
-                spill_loads=loads)
-
-
-def compile_for(arch):
-    """[one row per distinct launch]: kernel, meta-parameters, and the build's resources or its error."""
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.runtime.jit import JITFunction
-    import kernels
-    run = JITFunction.run  # record_launches replaces it
-
-    class StandIn:  # what a JIT function asks the driver: the target, a device (one per target) and a stream
-        target = GPUTarget("cuda", arch, 32)
-
-        def get_current_target(self):
-            return self.target
-
-        def get_current_device(self):
-            return arch
-
-        def get_current_stream(self, device=None):
-            return 0
-    rows, launches = [], record_launches(arch)
-    triton.runtime.driver.set_active(StandIn())  # this process compiles for arch only
-    for kernel, grid, args, meta in launches:
-        row = dict(arch=arch, kernel=kernel.__name__, meta={k: v for k, v in meta.items() if k != "maxnreg"},
-                   register_cap=meta.get("maxnreg"))
-        try:
-            compiled = run(kernel, *args, grid=grid, warmup=True, **meta)
-            row["shared"] = compiled.metadata.shared
-            if kernel.__name__ == "_eden_kernel":  # its persistent programs share a multiprocessor: their resources
-                row.update(ptxas_resources(compiled, arch))
-                row["programs_per_multiprocessor"] = kernels.eden_launch(torch.device("cuda"), meta["DOT_FP32"])[3]
-        except Exception as error:  # a compiler crash is the finding
-            row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
-        rows.append(row)
-    return rows
-
-
-def main(out, archs):
-    """One process per target (the launchers' patches belong to one target), all at once; the rows to `out`."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    processes = {arch: subprocess.Popen([sys.executable, __file__, "--one", str(arch)], stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, env=env, cwd=os.path.dirname(HERE))
-                 for arch in archs}
-    rows = []
-    for arch, process in processes.items():
-        stdout, stderr = process.communicate()
-        if process.returncode:
-            raise SystemExit(f"sm_{arch}: {stderr.strip().splitlines()[-1] if stderr.strip() else 'failed'}")
-        rows += json.loads(stdout.strip().splitlines()[-1])
-    with open(out, "w") as f:
-        json.dump(rows, f, indent=1)
-    print(f"{'target':<8}{'kernel':<22}{'shared KB':>10}{'registers':>10}{'spills B':>9}  meta")
-    for r in rows:
-        status = f"{r['shared'] / 1024:>10.1f}" if "error" not in r else f"  FAILED: {r['error']}"
-        if "registers" in r:
-            status += f"{r['registers']:>10}{r['spill_stores']:>9}"
-        print(f"sm_{r['arch']:<5}{r['kernel']:<22}{status}  {r['meta']}")
-
-
-if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(HERE))
-    if sys.argv[1] == "--one":
-        rows = compile_for(int(sys.argv[2]))
-        print(json.dumps(rows))
-    else:
-        main(sys.argv[1], [int(a) for a in sys.argv[2:]])
 
 
 # --- the kernels, compiled for each target ----------------------------------------------------------------------
@@ -154,7 +25,8 @@ if __name__ == "__main__":
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory):
     out = tmp_path_factory.mktemp("targets") / "builds.json"
-    subprocess.run([sys.executable, __file__, str(out), *map(str, TARGETS)], check=True, cwd=os.path.dirname(HERE))
+    script = os.path.join(ROOT, "tests", "compile_targets.py")
+    subprocess.run([sys.executable, script, str(out), *map(str, TARGETS)], check=True, cwd=ROOT)
     return json.load(open(out))
 
 
