@@ -6,7 +6,7 @@ It imports kernels.py without Triton's interpreter, records every kernel launch 
 backward (every recipe, BF16 and FP32, with each target's launch shapes; recorded, not run) and compiles each with
 Triton for each target, through a stand-in for Triton's GPU driver that names the target, with the launch's own
 grid, constants, warps and register cap. ptxas reports MS-EDEN phase one's registers and spills; the table and
-OUT.json list every build (tests/test_targets.py checks them)."""
+OUT.json list every build, with the provenance (tests/test_targets.py checks them)."""
 
 import json
 import os
@@ -122,8 +122,11 @@ def main(out, archs):
         if process.returncode:
             raise SystemExit(f"sm_{arch}: {stderr.strip().splitlines()[-1] if stderr.strip() else 'failed'}")
         rows += json.loads(stdout.strip().splitlines()[-1])
+    from bench import provenance
+    command = " ".join(["python tests/compile_targets.py", out, *map(str, archs)])
     with open(out, "w") as f:
-        json.dump(rows, f, indent=1)
+        json.dump(dict(command=command, provenance=provenance() + " (compiled on it, not run)", builds=rows), f,
+                  indent=1)
     print(f"{'target':<8}{'kernel':<22}{'shared KB':>10}{'registers':>10}{'spills B':>9}  meta")
     for r in rows:
         status = f"{r['shared'] / 1024:>10.1f}" if "error" not in r else f"  FAILED: {r['error']}"
