@@ -137,8 +137,11 @@ def main(out, archs):
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)
-    if sys.argv[1] == "--one":
+    if sys.argv[1:2] == ["--one"] and len(sys.argv) == 3 and sys.argv[2] in map(str, TARGETS):
         rows = compile_for(int(sys.argv[2]))
         print(json.dumps(rows))
+    elif len(sys.argv) < 3 or sys.argv[1].startswith("-") or not all(a in map(str, TARGETS) for a in sys.argv[2:]):
+        raise SystemExit(f"usage: python tests/compile_targets.py OUT.json TARGET... (targets: "
+                         f"{' '.join(map(str, TARGETS))})")
     else:
         main(sys.argv[1], [int(a) for a in sys.argv[2:]])
