@@ -516,6 +516,9 @@ def check_run(args, out, world, fingerprint):
     written to OUT/run.json. A new run takes only an empty directory, or one whose run it replaces with --overwrite
     (removing that run's files, and only those)."""
     path = os.path.join(out, "run.json")
+    for recipe in args.recipes:  # found before any training, not when its first checkpoint is written
+        if os.path.exists(folder := os.path.join(out, recipe)) and not os.path.isdir(folder):
+            raise TrainingError(f"{folder} is not a directory, and {recipe}'s checkpoints go there; move it away")
     flags = {name: getattr(args, name) for name in RUN_FLAGS if args.data == "hf" or not name.startswith(
         ("hf_", "val_"))} | dict(world=world)
     if os.path.exists(path) and not args.overwrite:

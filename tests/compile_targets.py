@@ -60,9 +60,8 @@ def record_launches(arch):
 
 def ptxas_resources(compiled, arch):
     """Registers, stack and spills (bytes) of a compiled kernel, from the ptxas that built it."""
-    import triton
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    ptxas = os.path.join(tools, "ptxas-blackwell" if arch >= 100 else "ptxas")
+    from triton.backends.nvidia.compiler import get_ptxas
+    ptxas = get_ptxas(arch).path  # the ptxas Triton itself builds the target with
     with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
         source.write(compiled.asm["ptx"])
         source.flush()
@@ -112,7 +111,8 @@ def compile_for(arch):
 
 def main(out, archs):
     """One process per target (the launchers' patches belong to one target), all at once; the rows to `out`."""
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    # No GPU of this machine takes part: the same builds on a CPU-only machine and on a GPU host.
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | dict(CUDA_VISIBLE_DEVICES="")
     processes = {arch: subprocess.Popen([sys.executable, __file__, "--one", str(arch)], stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
                  for arch in archs}

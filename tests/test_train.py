@@ -574,6 +574,12 @@ def test_odd_run_directories_and_files_are_handled(small_data, tmp_path, monkeyp
     assert [r["step"] for r in train.read_metrics(tmp_path / "runs" / "latest")] == [1, 2]
     # flags of streaming do not define a run of the bundled sample
     assert run(common + ["--resume", "--steps", "2", "--val-docs", "7"]) is None
+    # a recipe's directory replaced by a file is found before any training
+    shutil.rmtree(tmp_path / "runs" / "latest" / "bf16")
+    (tmp_path / "runs" / "latest" / "bf16").write_text("not a directory")
+    message = run(common + ["--resume", "--steps", "3"])
+    assert "bf16 is not a directory" in message and "move it away" in message, message
+    assert [r["step"] for r in train.read_metrics(tmp_path / "runs" / "latest")] == [1, 2]
 
 
 def test_an_interrupted_run_says_how_to_continue(small_data, tmp_path, monkeypatch):
