@@ -232,8 +232,7 @@ def gpu():
 
 
 def median_ms(fn, graph=False):
-    """ms per call of fn: the median of CUDA-event timings or (graph) of replays of a CUDA graph of back-to-back calls,
-    the GPU's time without the host's launches in between."""
+    """ms per call of fn: the median of CUDA-event timings, or (graph) of CUDA-graph replays of back-to-back calls."""
     from triton.testing import do_bench, do_bench_cudagraph
     return do_bench_cudagraph(fn, 100, return_mode="median") if graph else do_bench(fn, 50, 300, return_mode="median")
 
@@ -289,8 +288,7 @@ def bench_train(args):
     device = gpu()
     tokens = args.device_batch * args.seq_len
     print(f"training step of train.py's presets: micro-batches of {args.device_batch} x {args.seq_len} tokens, BF16 "
-          f"autocast, {'compiled' if args.compile else 'eager'}"
-          f"{', each micro-batch captured in a CUDA graph' if args.cuda_graph else ''}")
+          f"autocast, {'compiled' if args.compile else 'eager'}{', each captured in a CUDA graph' * args.cuda_graph}")
     print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'range ms':>14}{'host ms':>8}{'optim ms':>9}"
           f"{'step ms':>9}{'tokens/s':>11}{'vs bf16':>8}{'peak GB':>8}")
     rows = []
@@ -352,8 +350,7 @@ def bench_linear(args):
             torch.cuda.synchronize()
             row[f"{recipe}_memory_gb"] = (torch.cuda.max_memory_allocated() - base) / 1e9
             row[f"{recipe}_ms"] = median_ms(train.cuda_graph(step)[0] if args.cuda_graph else step)
-        for recipe in ("quartet2", "nvidia"):
-            row[f"{recipe}_ratio"] = row[f"{recipe}_ms"] / row["bf16_ms"]
+        row |= {f"{recipe}_ratio": row[f"{recipe}_ms"] / row["bf16_ms"] for recipe in ("quartet2", "nvidia")}
         rows.append(row)
         print(f"{name:<13}{f'{d_in}->{d_out}':>13}{row['bf16_ms']:>9.3f}{row['quartet2_ratio']:>9.2f}x"
               f"{row['nvidia_ratio']:>8.2f}x   {row['bf16_memory_gb']:.2f} / {row['quartet2_memory_gb']:.2f}"
@@ -369,8 +366,7 @@ def bench_kernels(args):
     signs128, signs16 = random_signs(128, device=device), random_signs(16, device=device)
     saved = kernels.triton_quantize(x, four_over_six=True, scaled_codes=False)
     phase1 = kernels.eden_phase1(x, signs128)
-    source = torch.randn(rows * cols, device=device, dtype=torch.bfloat16)
-    target = torch.empty_like(source)
+    source, target = x.flatten(), torch.empty(rows * cols, device=device, dtype=torch.bfloat16)
     copy = 4 * rows * cols / (median_ms(lambda: target.copy_(source), graph=True) * 1e-3)  # read + write, per s
     packed, scales, bf16, fp32_scales = 0.5, 1 / 16, 2.0, 4 / 16  # bytes per element
     rtn = 2 + 2 + packed + scales + bf16  # the amax pass reads x, the quantizer reads it and writes three outputs
@@ -493,6 +489,10 @@ def main(argv=None):
                 json.dump(dict(command=args.command_line, provenance=provenance(), rows=rows), f, indent=1)
     except (ValueError, OSError, train.TrainingError) as error:  # bad flags or files: one line, no traceback
         sys.exit(f"bench.py: error: {error}")
+    except (MemoryError, RuntimeError) as error:  # the GPU's, Python's or the CPU allocator's out-of-memory
+        if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or "can't allocate memory" in str(error):
+            sys.exit("bench.py: error: out of memory; lower --size, --tokens, --depth, --device-batch or --rows")
+        raise
     return rows
 
 

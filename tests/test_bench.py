@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 
 import bench
 import train
@@ -104,3 +105,23 @@ def test_linear_times_captured_layers():
     rows = bench.main(["linear", "--only", "d12", "--tokens", "4096", "--cuda-graph"])
     assert [row["layer"] for row in rows] == ["d12 fc", "d12 proj"]
     assert all(row["cuda_graph"] and row["bf16_ms"] > 0 and 0 < row["quartet2_ratio"] < 100 for row in rows)
+
+
+CPU_OUT_OF_MEMORY = RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 68719476736 bytes")
+
+
+@pytest.mark.parametrize("error", [MemoryError(), torch.cuda.OutOfMemoryError("CUDA out of memory"), CPU_OUT_OF_MEMORY])
+def test_out_of_memory_is_a_one_line_error_naming_the_sizes(error, monkeypatch):
+    def allocate(args):
+        raise error
+    monkeypatch.setattr(bench, "bench_quant", allocate)
+    with pytest.raises(SystemExit, match="out of memory; lower --size"):
+        bench.main(["quant", "--size", "65536"])
+
+
+def test_other_runtime_errors_keep_their_traceback(monkeypatch):
+    def fail(args):
+        raise RuntimeError("a bug")
+    monkeypatch.setattr(bench, "bench_quant", fail)
+    with pytest.raises(RuntimeError, match="a bug"):
+        bench.main(["quant"])

@@ -125,9 +125,9 @@ def simulated_native_gemm(calls):
 def test_the_native_path_is_taken_on_cuda_builds_of_blackwell_only(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     cuda = torch.device("cuda")
-    for capability, cuda_version, hip_version, expected in (((10, 0), "12.8", None, True), ((12, 0), "13.0", None, True),
-                                                            ((9, 0), "13.0", None, False), ((11, 0), None, "6.4", False),
-                                                            ((12, 0), None, "7.0", False)):  # ROCm: gfx11, gfx12
+    cases = (((10, 0), "12.8", None, True), ((12, 0), "13.0", None, True), ((9, 0), "13.0", None, False),
+             ((11, 0), None, "6.4", False), ((12, 0), None, "7.0", False))  # the last two: ROCm's gfx11, gfx12
+    for capability, cuda_version, hip_version, expected in cases:
         monkeypatch.setattr(torch.version, "cuda", cuda_version)
         monkeypatch.setattr(torch.version, "hip", hip_version)
         assert kernels.native_fp4_available(cuda) == expected, (capability, cuda_version, hip_version)

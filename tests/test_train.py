@@ -395,7 +395,7 @@ def test_evaluation_batches_are_whole_multiples_of_128_tokens(small_data, tmp_pa
                          "--eval-tokens", "960")) is None
 
 
-# --- nothing lost, nothing silently wrong ------------------------------------------------------------------------------
+# --- nothing lost, nothing silently wrong -----------------------------------------------------------------------------
 
 def test_the_default_run_directory_is_new_each_time_and_resume_takes_the_latest(small_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
