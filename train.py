@@ -5,7 +5,7 @@ Pre-train the Nanochat GPT on FineWeb-Edu once per recipe (BF16, Quartet II, ...
     python train.py --preset tiny            # a toy run on a CPU
     python train.py --resume                 # continue the newest run (runs/latest)
     python train.py --data hf --preset d20   # stream HuggingFaceFW/fineweb-edu (needs the network)
-    torchrun --nproc_per_node=8 train.py     # several GPUs (DDP)
+    torchrun --nproc_per_node=8 train.py --device-batch 16   # 8 GPUs (DDP): 131k tokens a step, 16 x 1024 each
 
 Every recipe starts from the same weights and sees the same data in the same order. The table compares the final
 validation bits per byte (the target tokens' summed loss / (ln 2 * their UTF-8 bytes), end-of-text excluded: a
