@@ -1,5 +1,5 @@
 """
-Measurements. Every number in the README comes from one of these commands:
+Measurements. Each table and figure of the README's Results comes from one of these commands:
 
     python bench.py quant    # quantizer error (the paper's Table 1) and unbiasedness (CPU or GPU)
     python bench.py grad     # gradient concentration of a layer's backward per recipe (the paper's Figure 9)
