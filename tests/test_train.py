@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -366,6 +367,15 @@ def test_bad_settings_give_a_one_line_error(argv, expected, tmp_path):
         expected = "pip install datasets"  # without the package, that is the one line
     out = [] if "--overwrite" in argv or "--out" in argv else ["--out", str(tmp_path)]
     assert_one_line_error(run(argv + ([] if argv == [] else ["--preset", "tiny"]) + out), expected)
+
+
+def test_the_readmes_eight_gpu_command_fits_the_d12_step():
+    # torchrun --nproc_per_node=8 train.py --device-batch 16: 131,072 tokens a step, 16 x 1024 on each of 8 GPUs
+    eight_gpus = types.SimpleNamespace(device=torch.device("cuda"), distributed=True, world=8)
+    args = train.resolve(train.parse_args(["--device-batch", "16"]), eight_gpus)
+    assert (args.preset, args.batch_tokens, args.cuda_graph) == ("d12", 2**17, False)
+    with pytest.raises(train.TrainingError, match="must be a multiple of seq_len x device_batch x GPUs"):
+        train.resolve(train.parse_args([]), eight_gpus)  # 32 x 1024 x 8 is two steps' worth
 
 
 def test_bad_files_give_a_one_line_error(small_data, tmp_path):
