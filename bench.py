@@ -8,9 +8,8 @@ Measurements. Each table and figure of the README's Results comes from one of th
     python bench.py linear   # forward + backward of one linear layer per recipe, as a ratio to BF16 (GPU)
     python bench.py kernels  # each Triton kernel's time and bandwidth, against the device's copy bandwidth (GPU)
 
-Each prints a table (--json PATH: its rows and provenance). GPU times are medians of CUDA-event timings after
-warm-up, or with --cuda-graph (always for kernels) of CUDA-graph replays, as train.py runs its micro-batches; ratios
-compare numbers of one run. Before Blackwell the NVFP4 GEMMs are emulated in BF16, and the tables say so.
+Each prints a table (--json PATH: rows and provenance; before Blackwell it says the NVFP4 GEMMs are emulated). GPU
+times are medians after warm-up, with --cuda-graph (always for kernels) of graph replays, as train.py runs them.
 
 Quantizer error is ||x - q(x)||^2 / ||x||^2 on N(0, 1) data. Unbiasedness shows as concentration: the mean of B
 independent quantizations (or backward passes) of the same input has error variance / B + bias^2, so for an unbiased
@@ -490,8 +489,9 @@ def main(argv=None):
     except (ValueError, OSError, train.TrainingError) as error:  # bad flags or files: one line, no traceback
         sys.exit(f"bench.py: error: {error}")
     except (MemoryError, RuntimeError) as error:  # the GPU's, Python's or the CPU allocator's out-of-memory
-        if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or "can't allocate memory" in str(error):
-            sys.exit("bench.py: error: out of memory; lower --size, --tokens, --depth, --device-batch or --rows")
+        reason = (str(error) or "MemoryError").splitlines()[0][:100]
+        if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or "can't allocate memory" in reason:
+            sys.exit(f"bench.py: error: out of memory ({reason}); lower the sizes `bench.py {command} --help` lists")
         raise
     return rows
 

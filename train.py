@@ -517,7 +517,7 @@ def check_run(args, out, world, fingerprint):
     (removing that run's files, and only those)."""
     path = os.path.join(out, "run.json")
     for recipe in args.recipes:  # found before any training, not when its first checkpoint is written
-        if os.path.exists(folder := os.path.join(out, recipe)) and not os.path.isdir(folder):
+        if os.path.lexists(folder := os.path.join(out, recipe)) and not os.path.isdir(folder):  # a broken link too
             raise TrainingError(f"{folder} is not a directory, and {recipe}'s checkpoints go there; move it away")
     flags = {name: getattr(args, name) for name in RUN_FLAGS if args.data == "hf" or not name.startswith(
         ("hf_", "val_"))} | dict(world=world)
@@ -831,7 +831,7 @@ def main(argv=None):
             run_id, release = open_run(args, processes, fingerprint)
             processes.log(f"device {processes.device} x {processes.world}, preset {args.preset}: depth {args.depth}, "
                           f"seq_len {args.seq_len}, {args.batch_tokens:,} tokens/step, {args.steps} steps, recipes "
-                          f"{args.recipes}, run {run_id[:8]} in {args.out}")
+                          f"{args.recipes}, {len(validation)} validation windows, run {run_id[:8]} in {args.out}")
             if args.data == "local":
                 processes.log(f"{args.steps * args.batch_tokens / 1e6:.1f}M training tokens per recipe: "
                               f"{args.steps * args.batch_tokens / sum(map(len, documents(0, 0))):.1f} passes over "

@@ -370,12 +370,16 @@ def test_bad_settings_give_a_one_line_error(argv, expected, tmp_path):
 
 
 def test_the_readmes_eight_gpu_command_fits_the_d12_step():
-    # torchrun --nproc_per_node=8 train.py --device-batch 16: 131,072 tokens a step, 16 x 1024 on each of 8 GPUs
+    # torchrun --nproc_per_node=8 train.py --device-batch 16: 131,072 tokens a step, 16 x 1024 on each of 8 GPUs;
+    # its validation set is cut to a multiple of 16 x 8 windows (the README says: 128 of the sample's 235, not 224)
     eight_gpus = types.SimpleNamespace(device=torch.device("cuda"), distributed=True, world=8)
     args = train.resolve(train.parse_args(["--device-batch", "16"]), eight_gpus)
     assert (args.preset, args.batch_tokens, args.cuda_graph) == ("d12", 2**17, False)
     with pytest.raises(train.TrainingError, match="must be a multiple of seq_len x device_batch x GPUs"):
         train.resolve(train.parse_args([]), eight_gpus)  # 32 x 1024 x 8 is two steps' worth
+    documents = train.tokenize(train.gpt2_tokenizer(), train.local_texts("val"))
+    windows = [len(train.validation_windows(documents, 1024, 2**18 // 1024, multiple)) for multiple in (32, 128)]
+    assert windows == [224, 128]  # one GPU's d12 run, and this command's
 
 
 def test_bad_files_give_a_one_line_error(small_data, tmp_path):
@@ -589,6 +593,9 @@ def test_odd_run_directories_and_files_are_handled(small_data, tmp_path, monkeyp
     (tmp_path / "runs" / "latest" / "bf16").write_text("not a directory")
     message = run(common + ["--resume", "--steps", "3"])
     assert "bf16 is not a directory" in message and "move it away" in message, message
+    os.remove(tmp_path / "runs" / "latest" / "bf16")
+    os.symlink("nowhere", tmp_path / "runs" / "latest" / "bf16")  # a broken link
+    assert "bf16 is not a directory" in run(common + ["--resume", "--steps", "3"])
     assert [r["step"] for r in train.read_metrics(tmp_path / "runs" / "latest")] == [1, 2]
 
 
