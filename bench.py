@@ -287,7 +287,7 @@ def bench_train(args):
     device = gpu()
     tokens = args.device_batch * args.seq_len
     print(f"training step of train.py's presets: micro-batches of {args.device_batch} x {args.seq_len} tokens, BF16 "
-          f"autocast, {'compiled' if args.compile else 'eager'}{', each captured in a CUDA graph' * args.cuda_graph}")
+          f"autocast, {'compiled' if args.compile else 'eager'}{', in CUDA graphs' if args.cuda_graph else ''}")
     print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'range ms':>14}{'host ms':>8}{'optim ms':>9}"
           f"{'step ms':>9}{'tokens/s':>11}{'vs bf16':>8}{'peak GB':>8}")
     rows = []

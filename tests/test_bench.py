@@ -111,7 +111,7 @@ CPU_OUT_OF_MEMORY = RuntimeError("DefaultCPUAllocator: can't allocate memory: yo
 
 
 @pytest.mark.parametrize("error", [MemoryError(), torch.cuda.OutOfMemoryError("CUDA out of memory"), CPU_OUT_OF_MEMORY])
-def test_out_of_memory_is_a_one_line_error_naming_the_sizes(error, monkeypatch):
+def test_out_of_memory_is_a_one_line_error_pointing_at_the_size_flags(error, monkeypatch):
     def allocate(args):
         raise error
     monkeypatch.setattr(bench, "bench_quant", allocate)
