@@ -17,21 +17,34 @@ quantizer B * error(mean of B) stays flat, while for a biased one it grows like 
 """
 
 import argparse
+import ast
+import functools
+import hashlib
 import json
 import math
 import os
+import shlex
+import shutil
 import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
+
+if not torch.cuda.is_available():  # the kernels run in Triton's interpreter (the fingerprint draws with them)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 import triton
 
 import kernels
+import model
 import train
 from eden import inverse_rht, quantize_ms_eden, random_signs
 from model import GPT, RECIPES, Linear, RecipeLinear, make_optimizers, recipe_names
-from quantize import SR_FP4_MAX, quantize_nvfp4
+from quantize import E2M1_MAX, SR_FP4_MAX, NVFP4Tensor, default_fp8_max, quantize_nvfp4
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def rtn_or_sr(**options):
@@ -163,7 +176,8 @@ def bench_grad(args):
                                  growth=growth))
                 print(f"{recipe:<24}{name:>6}{gradient:>10}{curve[0]:>11.2e}{curve[-1]:>12.2e}"
                       f"{'exact' if growth is None else f'{growth:.2f}':>9}", flush=True)
-    plot_concentration(rows, args.png, args.command_line)
+    if args.png:
+        plot_concentration(rows, args.png, args.command_line)
     return rows
 
 
@@ -180,42 +194,138 @@ def plot_concentration(rows, path, command):
     axes[0].set_ylabel("relative error of the mean of B")
     axes[1].legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120, metadata={"Description": f"{command}; {provenance()}"})
+    figure.savefig(path, dpi=120, metadata={"Description": results_description(command)})
 
 
 def bench_study(args):
-    """train.py for every seed (resuming what an earlier invocation left, if its flags are these), then the table."""
-    recipes, runs = args.recipes, {}
-    for seed in args.seeds:
-        out = os.path.join(args.out, f"seed{seed}")
-        flags = ["--preset", args.preset, "--recipe", ",".join(recipes), "--seed", str(seed), "--out", out]
-        resume = ["--resume"] if os.path.exists(os.path.join(out, "run.json")) else []
-        if train.main(flags + resume + args.train_flags) is not None:
-            continue
-        runs[seed] = {r["recipe"]: r["val_bpb"] for r in json.load(open(os.path.join(out, "summary.json")))["rows"]}
-    return study_rows(runs, recipes, args.preset)
+    """train.py for every seed, as subprocesses (--parallel at a time on one GPU), then the comparison. The study's
+    record (--json, else OUT/study.json) is rewritten after each seed and read back first: a seed it holds, measured
+    on the same numerics with the same flags, is not trained again; an unfinished seed resumes from its checkpoints."""
+    record = args.json or os.path.join(args.out, "study.json")
+    runs, waiting, running = finished_seeds(record, args), [], {}
+    waiting = [seed for seed in args.seeds if seed not in runs]
+    os.makedirs(args.out, exist_ok=True)
+    while waiting or running:
+        while waiting and len(running) < args.parallel:
+            seed = waiting.pop(0)
+            out = os.path.join(args.out, f"seed{seed}")
+            flags = ["--preset", args.preset, "--recipe", ",".join(args.recipes), "--seed", str(seed), "--out", out]
+            flags += ["--resume"] if os.path.exists(os.path.join(out, "run.json")) else []
+            log = open(f"{out}.log", "w")
+            running[seed] = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *flags,
+                                              *args.train_flags], stdout=log, stderr=subprocess.STDOUT), log
+            print(f"seed {seed}: training (log {out}.log)", flush=True)
+        time.sleep(0.5)
+        for seed, (process, log) in list(running.items()):
+            if process.poll() is None:
+                continue
+            log.close()
+            del running[seed]
+            if process.returncode != 0:
+                for other, _ in running.values():
+                    other.terminate()
+                last = (open(log.name).read().strip().splitlines() or ["no output"])[-1]
+                raise ValueError(f"seed {seed} failed: {last} (log {log.name})")
+            summary = json.load(open(os.path.join(args.out, f"seed{seed}", "summary.json")))
+            runs[seed] = {row["recipe"]: row | dict(samples=summary.get("samples", {}).get(row["recipe"]))
+                          for row in summary["rows"]}
+            write_results(record, args.command_line, study_rows(runs, args.recipes))
+            print(f"seed {seed}: " + ", ".join(f"{r} {runs[seed][r]['val_bpb']:.4f}" for r in args.recipes),
+                  flush=True)
+    rows = study_rows(runs, args.recipes)
+    print_study(rows, args.preset)
+    if args.png:  # the loss curves of the first seed, where its run directory is still there
+        metrics = os.path.join(args.out, f"seed{args.seeds[0]}")
+        if os.path.exists(os.path.join(metrics, "metrics.jsonl")):
+            train.plot(metrics, results_description(args.command_line))
+            shutil.copyfile(os.path.join(metrics, "loss.png"), args.png)
+    return rows
 
 
-def study_rows(runs, recipes, preset):
-    """The comparison of {seed: {recipe: final validation bpb}}: the mean gap to BF16 +- its standard deviation over
-    seeds, and how much smaller Quartet II's gap is than each baseline's (recipes that quantize both passes)."""
-    gaps = {r: [100 * (bpb[r] / bpb["bf16"] - 1) for bpb in runs.values()] for r in recipes if r != "bf16"}
-    mean = {r: sum(g) / len(g) for r, g in gaps.items()}
-    std = {r: (sum((x - mean[r]) ** 2 for x in g) / (len(g) - 1)) ** 0.5 for r, g in gaps.items() if len(g) > 1}
-    print(f"\npreset {preset}, seeds {list(runs)}: final validation bpb, gap to BF16 (mean +- std over seeds)")
-    print(f"{'recipe':<16}" + "".join(f"{f'seed {s}':>10}" for s in runs) + f"{'gap':>18}{'Q-II gap smaller by':>22}")
+def finished_seeds(record, args):
+    """{seed: {recipe: its train.py summary row}} of the study's record, if it was measured on these numerics with
+    these flags (the seeds asked for, of the recipes asked for); else {}."""
+    try:
+        old = json.load(open(record))
+        old_args = parse_args(shlex.split(old["command"])[2:])
+    except (OSError, ValueError, KeyError, SystemExit):
+        return {}
+    if old["fingerprint"] != fingerprint() or (old_args.preset, old_args.train_flags) != (args.preset,
+                                                                                         args.train_flags):
+        return {}
+    by_recipe = {row["recipe"]: row for row in old["rows"]}
+    if not set(args.recipes) <= set(by_recipe):
+        return {}
+    return {seed: {r: dict(recipe=r, **by_recipe[r]["runs"][str(seed)]) for r in args.recipes}
+            for seed in args.seeds if all(str(seed) in by_recipe[r]["runs"] for r in args.recipes)}
+
+
+def t_quantile_975(df):
+    """Student's t distribution's 97.5% quantile with df degrees of freedom (the half-width of a 95% interval in
+    standard errors): bisection on its CDF, integrated by the trapezoid rule (4 digits)."""
+    log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+    cdf = lambda t: 0.5 + np.trapezoid(np.exp(log_norm - (df + 1) / 2 * np.log1p((x := np.linspace(0, t, 20001))
+                                                                                     ** 2 / df)), x)
+    low, high = 0.0, 100.0
+    for _ in range(40):
+        low, high = ((low + high) / 2, high) if cdf((low + high) / 2) < 0.975 else (low, (low + high) / 2)
+    return (low + high) / 2
+
+
+def paired(differences):
+    """The mean of per-seed differences, their standard deviation, the 95% interval of the mean (Student's t; with one
+    seed only the mean) and whether it excludes zero."""
+    n = len(differences)
+    mean = sum(differences) / n
+    if n < 2:
+        return dict(mean=mean, std=None, interval=None, resolved=False)
+    std = math.sqrt(sum((d - mean) ** 2 for d in differences) / (n - 1))
+    half = t_quantile_975(n - 1) * std / math.sqrt(n)
+    return dict(mean=mean, std=std, interval=[mean - half, mean + half], resolved=abs(mean) > half)
+
+
+PAPER_GAP_REDUCTION_PCT = {"nvidia": 19, "nvidia46": 17, "tetrajet2": 27}  # Quartet II's, the paper's 560M model
+
+
+def study_rows(runs, recipes):
+    """The comparison of {seed: {recipe: summary row}}, one row per recipe. Each seed trains every recipe from the
+    same weights on the same data, so differences between recipes are taken per seed (paired), and the seed's own
+    noise cancels: the gap to BF16 in % and, against every other recipe, bpb minus the other's, each with its mean,
+    standard deviation and 95% interval over seeds."""
+    seeds = sorted(runs)
+    bpb = {r: [runs[s][r]["val_bpb"] for s in seeds] for r in recipes}
     rows = []
     for recipe in recipes:
-        row = dict(recipe=recipe, bpb={s: runs[s][recipe] for s in runs}, gap_pct=mean.get(recipe),
-                   gap_std=std.get(recipe))
-        baseline = RECIPES[recipe].x is not None and RECIPES[recipe].e_dx is not None  # quantizes both passes
-        if baseline and recipe != "quartet2" and "quartet2" in mean and mean[recipe] > 0:
-            row["quartet2_gap_reduction_pct"] = 100 * (1 - mean["quartet2"] / mean[recipe])
+        row = dict(recipe=recipe, seeds=seeds, runs={str(s): {k: runs[s][recipe].get(k) for k in (
+            "val_bpb", "tokens_per_s", "peak_memory_gb", "samples")} for s in seeds})
+        if "bf16" in recipes and recipe != "bf16":
+            row["gap_pct"] = paired([100 * (b / base - 1) for b, base in zip(bpb[recipe], bpb["bf16"])])
+        row["versus"] = {other: paired([a - b for a, b in zip(bpb[recipe], bpb[other])]) | dict(
+            lower_in=sum(a < b for a, b in zip(bpb[recipe], bpb[other]))) for other in recipes if other != recipe}
         rows.append(row)
-        gap = (f"{mean[recipe]:+.2f}%" if recipe in mean else "") + (f" +- {std[recipe]:.2f}%" if recipe in std else "")
-        reduction = f"{row['quartet2_gap_reduction_pct']:.0f}%" if "quartet2_gap_reduction_pct" in row else ""
-        print(f"{recipe:<16}" + "".join(f"{runs[s][recipe]:>10.4f}" for s in runs) + f"{gap:>18}{reduction:>22}")
+    gaps = {row["recipe"]: row["gap_pct"]["mean"] for row in rows if "gap_pct" in row}
+    for row in rows:
+        if row["recipe"] in PAPER_GAP_REDUCTION_PCT and gaps.get(row["recipe"], 0) > 0 and "quartet2" in gaps:
+            row["quartet2_gap_reduction_pct"] = 100 * (1 - gaps["quartet2"] / gaps[row["recipe"]])
+            row["paper_gap_reduction_pct"] = PAPER_GAP_REDUCTION_PCT[row["recipe"]]
     return rows
+
+
+def print_study(rows, preset):
+    """The table: per recipe its gap to BF16 and, against Quartet II, the paired difference in bpb."""
+    seeds, by_recipe = rows[0]["seeds"], {row["recipe"]: row for row in rows}
+    print(f"\npreset {preset}, {len(seeds)} seed(s) {seeds}: final validation bpb (mean over seeds), gap to BF16 and "
+          f"bpb minus quartet2's per seed (mean [95% interval]; resolved if the interval excludes 0)")
+    print(f"{'recipe':<15}{'bpb':>8}{'gap to bf16':>26}{'minus quartet2':>34}{'quartet2 lower in':>19}")
+    for row in rows:
+        interval = lambda p, f: f"{p['mean']:{f}}" + (f" [{p['interval'][0]:{f}}, {p['interval'][1]:{f}}]"
+                                                      if p["interval"] else "")
+        mean_bpb = sum(run["val_bpb"] for run in row["runs"].values()) / len(seeds)
+        gap = interval(row["gap_pct"], "+.2f") + "%" if "gap_pct" in row else ""
+        versus = row["versus"].get("quartet2")
+        difference = interval(versus, "+.4f") + (" resolved" if versus["resolved"] else "") if versus else ""
+        lower = f"{by_recipe['quartet2']['versus'][row['recipe']]['lower_in']}/{len(seeds)}" if versus else ""
+        print(f"{row['recipe']:<15}{mean_bpb:>8.4f}{gap:>26}{difference:>34}{lower:>19}")
 
 
 # -----------------------------------------------------------------------------
@@ -226,7 +336,7 @@ def gpu():
     if not torch.cuda.is_available():
         raise ValueError("this measurement needs a CUDA GPU")
     native = kernels.native_fp4_available(torch.device("cuda"))
-    print(f"{provenance()}; NVFP4 GEMMs {'native (cuBLAS)' if native else 'emulated in BF16 (no FP4 tensor cores)'}")
+    print(f"{', '.join(str(v) for v in provenance().values())}; NVFP4 GEMMs {'native (cuBLAS)' if native else 'emulated in BF16 (no FP4 tensor cores)'}")
     return torch.device("cuda")
 
 
@@ -389,27 +499,176 @@ def bench_kernels(args):
     }
     print(f"{rows}x{cols} BF16 input; device copy {copy / 1e12:.2f} TB/s (read + write)")
     print(f"{'kernel':<38}{'ms':>8}{'B/elt':>7}{'TB/s':>7}{'% copy':>8}")
-    results = []
+    results = [dict(kernel="copy (read + write)", shape=[rows, cols], ms=4 * rows * cols / copy * 1e3,
+                    bytes_per_element=4, tb_per_s=copy / 1e12, fraction_of_copy=1.0)]
     for name, (fn, bytes_per_element) in cases.items():
         ms = median_ms(fn, graph=True)
         bandwidth = bytes_per_element * rows * cols / (ms * 1e-3)
-        results.append(dict(kernel=name, ms=ms, bytes_per_element=bytes_per_element, tb_per_s=bandwidth / 1e12,
-                            fraction_of_copy=bandwidth / copy))
+        results.append(dict(kernel=name, shape=[rows, cols], ms=ms, bytes_per_element=bytes_per_element,
+                            tb_per_s=bandwidth / 1e12, fraction_of_copy=bandwidth / copy))
         print(f"{name:<38}{ms:>8.3f}{bytes_per_element:>7.2f}{bandwidth / 1e12:>7.2f}{100 * bandwidth / copy:>7.0f}%")
-    return dict(copy_tb_per_s=copy / 1e12, shape=[rows, cols], kernels=results)
+    return results
 
 
 # -----------------------------------------------------------------------------
 # Flags
 
 
+# -----------------------------------------------------------------------------
+# Results: one shape for every file in results/, and a fingerprint of the numerics that made it
+
 def provenance():
-    """Where a measurement comes from: date, commit, device, versions."""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or "unknown"
-    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return f"{time.strftime('%Y-%m-%d')}, commit {commit}, {device}, torch {torch.__version__}, triton " \
-           f"{triton.__version__}"
+    """Where a measurement comes from: date, commit ("+ uncommitted changes" if the code differs from it; "no git
+    checkout" if this directory is not the root of one), device and versions."""
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    if os.path.realpath(git("rev-parse", "--show-toplevel") or "/") != os.path.realpath(ROOT):
+        commit = "no git checkout"
+    else:  # results/, dev/ and the README are not code: rewriting a result does not make the next one dirty
+        dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!dev", ":!README.md")
+        commit = git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
+    return dict(date=time.strftime("%Y-%m-%d"), commit=commit,
+                device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
+
+
+def write_results(path, command, rows, fingerprint_of=None):
+    """A results file: the command that made it, its provenance, the fingerprint of what produced it (the numerics,
+    unless given) and the rows; written to a temporary file and renamed."""
+    data = dict(command=command, provenance=provenance(), fingerprint=fingerprint_of or fingerprint(), rows=rows)
+    with open(f"{path}.tmp", "w") as f:
+        json.dump(data, f, indent=1)
+    os.replace(f"{path}.tmp", path)
+
+
+def results_description(command):
+    """What a results figure carries in its PNG metadata: the same command, provenance and fingerprint."""
+    return json.dumps(dict(command=command, provenance=provenance(), fingerprint=fingerprint()))
+
+
+def grid_values(shape, generator, step, largest):
+    """BF16-exact values: multiples of step below `largest`, which the first element takes. On such inputs every
+    sum a quantizer makes (a rotation's, a group's) is exact in any order, so its output is the same on any CPU."""
+    values = torch.randint(-int(largest / step) + 1, int(largest / step), shape, generator=generator) * step
+    values.view(-1)[0] = largest
+    return values.bfloat16()
+
+
+@functools.cache
+def fingerprint():
+    """A hash of everything that decides the numbers in results/, computed on the CPU from exact quantities so that
+    every machine and torch version agrees: (1) every recipe's GEMM operands (codes, E4M3 scales, tensor scales to 3
+    digits) in a linear layer's forward and backward on grid inputs; (2) the kernels' random draws for a fixed seed
+    (stochastic rounding with rotations and four-over-six, MS-EDEN phase two); (3) a small GPT's losses and gradient
+    norms over two training steps, to 3 digits; (4) the presets, default flags, schedule, data order and data files.
+    A comment or a faster bit-identical kernel keeps it; any change of numerics changes it."""
+    digest, generator = hashlib.sha256(), torch.Generator().manual_seed(0)
+
+    def add(*items):  # a tensor's bytes, anything else's repr
+        for item in items:
+            is_tensor = isinstance(item, torch.Tensor)
+            digest.update(item.reshape(-1).view(torch.uint8).numpy().tobytes() if is_tensor else repr(item).encode())
+
+    def record(a, b, dtype):  # model.matmul with its operands hashed
+        for t in (a, b):
+            if isinstance(t, NVFP4Tensor):
+                add(t.codes, t.group_scale.view(torch.uint8), f"{t.tensor_scale.item():.3g}")
+            else:
+                add(t.float())
+        return matmul(a, b, dtype)
+    matmul, model.matmul = model.matmul, record
+    try:
+        for name, recipe in RECIPES.items():  # tensor scales 2^-10: the re-quantized operands are exact too
+            largest = lambda q: (default_fp8_max(q.four_over_six) * E2M1_MAX if q else 2688) / 1024
+            x = grid_values((128, 128), generator, 1 / 16, largest(recipe.x)).requires_grad_()
+            w = grid_values((256, 128), generator, 1 / 16, largest(recipe.w)).requires_grad_()
+            torch.manual_seed(0)
+            RecipeLinear.apply(x, w, name).backward(grid_values((128, 256), generator, 1 / 8, 2.0))
+    finally:
+        model.matmul = matmul
+    x, seed = grid_values((32, 128), generator, 1 / 16, 2.0).to(KERNEL_DEVICE), torch.tensor([1234], device=KERNEL_DEVICE)
+    signs = torch.ones(128, device=KERNEL_DEVICE).index_fill_(0, torch.arange(0, 128, 3, device=KERNEL_DEVICE), -1)
+    for t, options in ((x, {}), (x, dict(four_over_six=True)), (x.t(), dict(transpose=True, signs=signs[:16])),
+                       (x, dict(signs=signs[:32]))):
+        q = kernels.triton_quantize(t, "sr", fp4_max=SR_FP4_MAX, seed=seed, **options)
+        add(q.codes.cpu(), q.group_scale.view(torch.uint8).cpu(), q.tensor_scale.cpu())
+    corrected = torch.rand(32, 8, generator=generator) * 4  # MS-EDEN phase one's output, made up
+    codes = torch.randint(0, 256, (32, 64), generator=generator, dtype=torch.uint8)
+    amax = corrected.max().view(torch.int32).reshape(1)
+    q = kernels.eden_phase2(tuple(t.to(KERNEL_DEVICE) for t in (codes, corrected, amax)), seed=seed)
+    add(q.group_scale.view(torch.uint8).cpu(), q.tensor_scale.cpu())
+    torch.manual_seed(0)
+    gpt, tokens = GPT(2, max_seq_len=64), torch.randint(0, 50257, (2, 65), generator=generator)
+    flags = train.parse_args([])
+    optimizers = make_optimizers(gpt, flags.lr_matrix, flags.lr_embedding, flags.lr_head)
+    for _ in range(2):
+        loss = gpt(tokens[:, :-1], tokens[:, 1:])
+        loss.backward()
+        add(f"{loss.item():.3g}", [f"{p.grad.norm().item():.3g}" for p in gpt.parameters()])
+        for optimizer in optimizers:
+            optimizer.step()
+        gpt.zero_grad()
+    order = train.shuffled_epochs(list(range(100)), 0)
+    add(train.PRESETS, {k: v for k, v in vars(flags).items() if k in train.RUN_FLAGS}, list(order(1, 0)),
+        [train.lr_multiplier(step, 100, 10, 0.2) for step in range(100)])
+    for name in sorted(n for n in os.listdir(train.DATA_DIR) if n.endswith((".gz", ".tiktoken"))):  # what train reads
+        add(name, open(os.path.join(train.DATA_DIR, name), "rb").read())
+    return "numerics " + digest.hexdigest()[:16]
+
+
+def source_fingerprint(path=os.path.join(ROOT, "kernels.py")):
+    """A hash of a source file's code without its comments and docstrings: what compiled builds depend on."""
+    tree = ast.parse(open(path).read())
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value,
+                                                                                            ast.Constant):
+            node.body = body[1:] or [ast.Pass()]
+    return "kernels.py " + hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+
+
+def png_description(path):
+    """The "Description" text of a PNG file's metadata (its tEXt chunk), or None."""
+    data, position = open(path, "rb").read(), 8  # after the PNG signature: chunks of length, type, data, CRC
+    while position + 8 <= len(data):
+        length, kind = int.from_bytes(data[position:position + 4], "big"), data[position + 4:position + 8]
+        key, _, text = data[position + 8:position + 8 + length].partition(b"\0")
+        if kind == b"tEXt" and key == b"Description":
+            return text.decode("latin-1")
+        position += 12 + length
+    return None
+
+
+RESULT_KEYS, PROVENANCE_KEYS = ["command", "provenance", "fingerprint", "rows"], ["date", "commit", "device", "torch",
+                                                                                   "triton", "cuda"]
+
+
+def stale_results(directory=os.path.join(ROOT, "results")):
+    """The files of results/ that do not have the one shape, or whose fingerprint is not the current code's, each
+    with the reason."""
+    stale = []
+    for name in sorted(os.listdir(directory)):
+        path = os.path.join(directory, name)
+        try:
+            data = json.loads(png_description(path) or "null") if name.endswith(".png") else json.load(open(path))
+            keys = RESULT_KEYS[:3] if name.endswith(".png") else RESULT_KEYS
+            if not isinstance(data, dict) or list(data) != keys or list(data["provenance"]) != PROVENANCE_KEYS:
+                stale.append(f"{name}: not a results file of the one shape ({', '.join(RESULT_KEYS)})")
+                continue
+        except (ValueError, TypeError, UnicodeDecodeError):
+            stale.append(f"{name}: not a results file (JSON, or a PNG with it in its metadata)")
+            continue
+        expected = source_fingerprint() if data["fingerprint"].startswith("kernels.py") else fingerprint()
+        if data["fingerprint"] != expected:
+            stale.append(f"{name}: measured on other numerics ({data['fingerprint']}, now {expected}); run again: "
+                         f"{data['command']}")
+    return stale
+
+
+def check_results(args):
+    stale = stale_results()
+    print(f"numerics: {fingerprint()}, builds: {source_fingerprint()}\n" + ("\n".join(stale) or
+                                                                             "every result in results/ is current"))
+    return stale
 
 
 STUDY_SETS = {"--seed", "--recipe", "--out", "--resume", "--overwrite", "--stop-after", "--preset"}  # of train.py
@@ -422,15 +681,17 @@ def recipe_list(text):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def main(argv=None):
+def parse_args(argv=None):
+    """The command and its flags, each checked before any work: one line per bad one."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     command = {name: commands.add_parser(name, help=text) for name, text in (
         ("quant", "quantizer error (paper Table 1) and unbiasedness"), ("grad", "gradient concentration per recipe "
          "(the paper's Figure 9)"), ("study", "train.py for recipes x seeds, and the comparison table (GPU)"),
         ("train", "a training step per recipe (GPU)"), ("linear", "one linear layer, forward + backward, per recipe "
-         "(GPU)"), ("kernels", "Triton kernels: time and bandwidth (GPU)"))}
-    quant, grad, study, training, linear, kernel = (command[name].add_argument for name in command)
+         "(GPU)"), ("kernels", "Triton kernels: time and bandwidth (GPU)"), ("fingerprint", "the numerics' "
+         "fingerprint, and which results files were measured on other numerics"))}
+    quant, grad, study, training, linear, kernel = (command[name].add_argument for name in list(command)[:6])
     gpu_there = torch.cuda.is_available()  # on a CPU grad's smaller model and fewer tokens keep it to ~10 minutes
     for add, recipes in ((grad, "quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46"), (training, "bf16,"
                          "quartet2,nvidia"), (study, "bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")):
@@ -442,9 +703,9 @@ def main(argv=None):
     grad("--tokens", type=int, default=4096 if gpu_there else 1024, help="tokens of the captured inputs")
     grad("--seq-len", type=int, default=512)
     grad("--checkpoint", help="a train.py checkpoint to take the weights from (default: initialized)")
-    grad("--png", default="concentration.png", help="the log-log plot")
-    study("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    study("--seeds", type=int, nargs="+", default=list(range(8)))
     study("--preset", default="small")
+    study("--parallel", type=int, default=1, help="seeds trained at once (on one GPU: its tokens/s then mean less)")
     study("--out", default="runs/study", help="one train.py run directory per seed below it")
     study("train_flags", nargs="*", help="more train.py flags, after --")
     training("--depth", type=int, nargs="+", default=[12, 20])
@@ -461,13 +722,18 @@ def main(argv=None):
         add("--compile", action=argparse.BooleanOptionalAction, default=True, help="torch.compile as train.py does")
         add("--cuda-graph", action="store_true", help="time replays of each forward + backward in a CUDA graph")
     for add in (quant, grad, study, training, linear, kernel):
-        add("--json", metavar="PATH", help="also write the rows, with their provenance, as JSON")
+        add("--json", metavar="PATH", help="write the rows as a results file (command, provenance, fingerprint)")
+    for add in (grad, study):
+        add("--png", help="the figure (grad: the concentration curves; study: the first seed's loss curves)")
     args = parser.parse_args(argv)
-    args.command_line = f"python bench.py {' '.join(sys.argv[1:] if argv is None else argv)}"
+    args.command_line = f"python bench.py {shlex.join(sys.argv[1:] if argv is None else argv)}"
     command = args.command
     for bad, message in ((command == "train" and args.calls < 1, "--calls must be at least 1"),
                          (command == "study" and "bf16" not in args.recipes, "study compares with bf16: include it"),
                          (command == "study" and STUDY_SETS & set(args.train_flags), f"study sets {STUDY_SETS} itself"),
+                         (command == "study" and (args.parallel < 1 or len(set(args.seeds)) < len(args.seeds) or
+                                                  not all(0 <= s < 2**31 for s in args.seeds)),
+                          "--parallel must be at least 1, and --seeds distinct, in [0, 2^31)"),
                          (command == "quant" and (args.size % 128 or args.size < 128 or args.batches < 2),
                           "--size must be a positive multiple of 128 and --batches at least 2"),
                          (command == "grad" and (args.batches < 2 or args.batches & (args.batches - 1)),
@@ -475,23 +741,28 @@ def main(argv=None):
                          (not 0 <= getattr(args, "seed", 0) < 2**31, "--seed must be in [0, 2^31)")):
         if bad:
             parser.error(message)
-    for path, ending in ((args.json, ""), (getattr(args, "png", None), ".png")):  # before hours of work, not after
-        if path and (os.path.isdir(path) or not path.endswith(ending) or not os.access(
+    for path, ending in ((getattr(args, "json", None), ".json"), (getattr(args, "png", None), ".png")):
+        if path and (os.path.isdir(path) or not path.endswith(ending) or not os.access(  # before hours of work
                 os.path.dirname(os.path.abspath(path)), os.W_OK)):
-            parser.error(f"cannot write {path}: a {ending or 'file'} path in a writable directory is needed")
+            parser.error(f"cannot write {path}: a {ending} path in a writable directory is needed")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
     run = dict(quant=bench_quant, grad=bench_grad, study=bench_study, train=bench_train, linear=bench_linear,
-               kernels=bench_kernels)[args.command]
+               kernels=bench_kernels, fingerprint=check_results)[args.command]
     try:
         rows = run(args)
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(dict(command=args.command_line, provenance=provenance(), rows=rows), f, indent=1)
+        if getattr(args, "json", None):
+            write_results(args.json, args.command_line, rows)
     except (ValueError, OSError, train.TrainingError) as error:  # bad flags or files: one line, no traceback
         sys.exit(f"bench.py: error: {error}")
     except (MemoryError, RuntimeError) as error:  # the GPU's, Python's or the CPU allocator's out-of-memory
         reason = (str(error) or "MemoryError").splitlines()[0][:100]
         if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or "can't allocate memory" in reason:
-            sys.exit(f"bench.py: error: out of memory ({reason}); lower the sizes `bench.py {command} --help` lists")
+            sys.exit(f"bench.py: error: out of memory ({reason}); lower the sizes `bench.py {args.command} --help` "
+                     f"lists")
         raise
     return rows
 

@@ -122,11 +122,9 @@ def main(out, archs):
         if process.returncode:
             raise SystemExit(f"sm_{arch}: {stderr.strip().splitlines()[-1] if stderr.strip() else 'failed'}")
         rows += json.loads(stdout.strip().splitlines()[-1])
-    from bench import provenance
+    import bench  # a results file whose fingerprint is the kernels' source: a change of code makes it stale
     command = " ".join(["python tests/compile_targets.py", out, *map(str, archs)])
-    with open(out, "w") as f:
-        json.dump(dict(command=command, provenance=provenance() + " (compiled on it, not run)", builds=rows), f,
-                  indent=1)
+    bench.write_results(out, command, rows, fingerprint_of=bench.source_fingerprint())
     print(f"{'target':<8}{'kernel':<22}{'shared KB':>10}{'registers':>10}{'spills B':>9}  meta")
     for r in rows:
         status = f"{r['shared'] / 1024:>10.1f}" if "error" not in r else f"  FAILED: {r['error']}"

@@ -1,6 +1,7 @@
 """bench.py's comparison commands: gradient concentration (the paper's Figure 9) and the study of recipes x seeds."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -23,30 +24,26 @@ def test_grad_measures_the_concentration_of_every_layer_and_gradient(tmp_path):
 
 
 @pytest.mark.slow
-def test_study_trains_every_seed_and_tabulates_the_gaps(small_data, tmp_path):
+def test_study_trains_every_seed_and_keeps_its_record(small_data, tmp_path):
     flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "3",
              "--eval-every", "3", "--eval-tokens", "512", "--data-dir", small_data]
-    argv = ["study", "--preset", "tiny", "--recipes", "bf16,quartet2,nvidia", "--seeds", "0", "1", "--out",
-            str(tmp_path / "study"), "--", *flags]
+    argv = ["study", "--preset", "tiny", "--recipes", "bf16,quartet2,nvidia", "--seeds", "0", "1", "--parallel", "2",
+            "--out", str(tmp_path / "study"), "--json", str(tmp_path / "study.json"), "--", *flags]
     rows = bench.main(argv)
-    again = bench.main(argv)  # a finished study is read back, not trained again
-    assert rows == again
-    by_recipe = {r["recipe"]: r for r in rows}
     summaries = [json.load(open(tmp_path / "study" / f"seed{s}" / "summary.json"))["rows"] for s in (0, 1)]
-    gaps = [100 * (s[2]["val_bpb"] / s[0]["val_bpb"] - 1) for s in summaries]  # nvidia's gap in each seed
-    assert by_recipe["nvidia"]["gap_pct"] == pytest.approx(sum(gaps) / 2)
-    assert by_recipe["nvidia"]["gap_std"] == pytest.approx(abs(gaps[0] - gaps[1]) / 2 ** 0.5)
-    if by_recipe["nvidia"]["gap_pct"] > 0:
-        expected = 100 * (1 - by_recipe["quartet2"]["gap_pct"] / by_recipe["nvidia"]["gap_pct"])
-        assert by_recipe["nvidia"]["quartet2_gap_reduction_pct"] == pytest.approx(expected)
-
-
-def test_the_study_table_of_one_seed_has_no_spread_and_an_ablation_no_reduction():
-    bpb = dict(bf16=1.0, quartet2=1.003, nvidia=1.004, fwd_1x16=1.002)  # gaps +0.3%, +0.4%, +0.2%
-    by_recipe = {r["recipe"]: r for r in bench.study_rows({0: bpb}, list(bpb), "tiny")}
-    assert by_recipe["nvidia"]["gap_pct"] == pytest.approx(0.4) and by_recipe["nvidia"]["gap_std"] is None
-    assert by_recipe["nvidia"]["quartet2_gap_reduction_pct"] == pytest.approx(25)  # 1 - 0.3 / 0.4
-    assert "quartet2_gap_reduction_pct" not in by_recipe["fwd_1x16"]  # forward only: not a baseline
+    by_recipe = {r["recipe"]: r for r in rows}
+    bpb = [{r["recipe"]: r["val_bpb"] for r in summary} for summary in summaries]
+    assert [by_recipe["nvidia"]["runs"][str(s)]["val_bpb"] for s in (0, 1)] == [b["nvidia"] for b in bpb]
+    assert by_recipe["nvidia"]["versus"]["quartet2"] == pytest.approx(
+        bench.paired([b["nvidia"] - b["quartet2"] for b in bpb]) | dict(lower_in=sum(
+            b["nvidia"] < b["quartet2"] for b in bpb)))
+    shutil.rmtree(tmp_path / "study")  # the record alone: a finished study is read back, not trained again
+    assert bench.main(argv) == rows
+    record = json.load(open(tmp_path / "study.json"))
+    assert list(record) == bench.RESULT_KEYS and record["fingerprint"] == bench.fingerprint()
+    more = bench.main(argv[:6] + ["1", "2"] + argv[8:])  # seed 1 from the record, seed 2 trained
+    assert [r["runs"]["1"] for r in more] == [r["runs"]["1"] for r in rows] and (tmp_path / "study" / "seed2").exists()
+    assert not (tmp_path / "study" / "seed1").exists()
 
 
 def test_study_refuses_a_seed_trained_with_other_flags(small_data, tmp_path):
@@ -64,11 +61,15 @@ def test_bad_study_and_output_flags_are_refused_before_any_work(tmp_path, capsys
                            (["grad", "--png", str(tmp_path / "missing" / "c.png")], "cannot write"),
                            (["quant", "--json", str(tmp_path)], "cannot write"),
                            (["grad", "--png", str(tmp_path / "c.xyz")], "cannot write"),
+                           (["study", "--png", str(tmp_path / "missing" / "l.png")], "cannot write"),
                            (["quant", "--batches", "1"], "--batches at least 2"),
                            (["quant", "--size", "100"], "positive multiple of 128"),
                            (["grad", "--batches", "3"], "power of two"),
                            (["quant", "--seed", "100000000000000000000"], "--seed must be in"),
-                           (["study", "--", "--seed", "7"], "study sets")):
+                           (["study", "--", "--seed", "7"], "study sets"),
+                           (["study", "--parallel", "0"], "--parallel must be at least 1"),
+                           (["study", "--seeds", "1", "1"], "--seeds distinct"),
+                           (["study", "--json", str(tmp_path / "s.txt")], "cannot write")):
         with pytest.raises(SystemExit):
             bench.main(argv)
         assert expected in capsys.readouterr().err

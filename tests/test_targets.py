@@ -27,7 +27,7 @@ def builds(tmp_path_factory):
     out = tmp_path_factory.mktemp("targets") / "builds.json"
     script = os.path.join(ROOT, "tests", "compile_targets.py")
     subprocess.run([sys.executable, script, str(out), *map(str, TARGETS)], check=True, cwd=ROOT)
-    return json.load(open(out))["builds"]
+    return json.load(open(out))["rows"]
 
 
 @pytest.mark.slow

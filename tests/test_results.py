@@ -1,0 +1,106 @@
+"""results/: every file has the one shape and was measured on today's numerics (a stale result fails here), and the
+statistics that back the README's comparisons."""
+
+import json
+import subprocess
+
+import pytest
+
+import bench
+import eden
+
+
+def test_every_result_has_the_one_shape_and_the_current_fingerprint():
+    # A change of numerics (a quantizer, a recipe, the model, the presets, the kernels' random draws) changes the
+    # fingerprint: every result it affects must be measured again, with the command each file names, before it lands.
+    assert bench.stale_results() == []
+
+
+def test_the_fingerprint_follows_the_numerics(monkeypatch):
+    current = bench.fingerprint()
+    assert bench.fingerprint.__wrapped__() == current  # computed afresh: the same
+    monkeypatch.setattr(eden, "EDEN_FP4_MAX", eden.EDEN_FP4_MAX * 1.01)  # MS-EDEN's codes and scales move
+    assert bench.fingerprint.__wrapped__() != current
+
+
+def test_the_builds_fingerprint_ignores_comments_and_docstrings(tmp_path):
+    def fingerprint_of(source):
+        (tmp_path / "k.py").write_text(source)
+        return bench.source_fingerprint(str(tmp_path / "k.py"))
+    code = 'def f(x):\n    """Doubles."""\n    return 2 * x  # why\n'
+    assert fingerprint_of(code) == fingerprint_of(code.replace("  # why", "").replace("Doubles", "Twice x"))
+    assert fingerprint_of(code) != fingerprint_of(code.replace("2 * x", "3 * x"))
+
+
+def test_stale_and_misshapen_results_are_named(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "fingerprint", lambda: "numerics 0123")
+    bench.write_results(str(tmp_path / "good.json"), "python bench.py quant", [dict(a=1)])
+    bench.write_results(str(tmp_path / "old.json"), "python bench.py grad", [], fingerprint_of="numerics 9999")
+    (tmp_path / "shape.json").write_text(json.dumps(dict(command="x", provenance="2026-12-01", rows=[])))
+    (tmp_path / "notes.txt").write_text("a measurement log")
+    curves = [dict(recipe="quartet2", layer="c_q", gradient=g, batches=[1, 2], errors=[1.0, 0.5], growth=1.0)
+              for g in ("dX", "dW")]
+    bench.plot_concentration(curves, str(tmp_path / "figure.png"), "python bench.py grad --png figure.png")
+    stale = bench.stale_results(str(tmp_path))
+    assert [line.split(":")[0] for line in stale] == ["notes.txt", "old.json", "shape.json"]
+    assert "run again: python bench.py grad" in stale[1]
+    assert json.loads(bench.png_description(str(tmp_path / "figure.png")))["fingerprint"] == "numerics 0123"
+
+
+def git(directory, *args):
+    subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=directory, check=True,
+                   capture_output=True)
+
+
+def test_provenance_names_the_commit_only_of_this_checkout(tmp_path, monkeypatch):
+    monkeypatch.setattr(bench, "ROOT", str(tmp_path))
+    assert bench.provenance()["commit"] == "no git checkout"
+    git(tmp_path, "init", "-q")
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "code.py").write_text("x = 1\n")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "a.json").write_text("{}")
+    git(tmp_path, "add", ".")
+    git(tmp_path, "commit", "-q", "-m", "one")
+    monkeypatch.setattr(bench, "ROOT", str(tmp_path / "inner"))  # inside another checkout: not its commit
+    assert bench.provenance()["commit"] == "no git checkout"
+    monkeypatch.setattr(bench, "ROOT", str(tmp_path))
+    commit = bench.provenance()["commit"]
+    assert len(commit) >= 7 and "+" not in commit
+    (tmp_path / "results" / "a.json").write_text("{\"rows\": []}")  # a rewritten result is not a code change
+    assert bench.provenance()["commit"] == commit
+    (tmp_path / "code.py").write_text("x = 2\n")
+    assert bench.provenance()["commit"] == commit + " + uncommitted changes"
+    assert list(bench.provenance()) == bench.PROVENANCE_KEYS
+
+
+@pytest.mark.parametrize("df,quantile", [(1, 12.706), (2, 4.303), (4, 2.776), (7, 2.365), (9, 2.262), (30, 2.042)])
+def test_student_t_quantiles_match_the_tables(df, quantile):
+    assert bench.t_quantile_975(df) == pytest.approx(quantile, abs=1e-3)
+
+
+def test_paired_differences_and_their_interval():
+    # mean 2, sample standard deviation sqrt(2/3) over 4 seeds: half-width t(3) * sqrt(2/3) / sqrt(4)
+    comparison = bench.paired([1.0, 2.0, 3.0, 2.0])
+    assert comparison["mean"] == pytest.approx(2.0) and comparison["std"] == pytest.approx((2 / 3) ** 0.5)
+    half = bench.t_quantile_975(3) * (2 / 3) ** 0.5 / 2
+    assert comparison["interval"] == pytest.approx([2 - half, 2 + half]) and comparison["resolved"]
+    assert not bench.paired([1.0, -1.0, 0.5])["resolved"]  # the interval holds 0
+    assert bench.paired([0.3]) == dict(mean=0.3, std=None, interval=None, resolved=False)
+
+
+def test_the_study_compares_recipes_seed_by_seed():
+    # nvidia is 0.002 above quartet2 in every seed while both move together with the seed: paired, resolved.
+    runs = {seed: dict(bf16=dict(val_bpb=1.0 + shift), quartet2=dict(val_bpb=1.003 + shift),
+                       nvidia=dict(val_bpb=1.005 + shift), fwd_1x16=dict(val_bpb=1.002 + shift))
+            for seed, shift in ((0, 0.0), (1, 0.01), (2, -0.02))}
+    rows = {row["recipe"]: row for row in bench.study_rows(runs, list(runs[0]))}
+    versus = rows["nvidia"]["versus"]["quartet2"]
+    assert versus["mean"] == pytest.approx(0.002) and versus["resolved"] and versus["lower_in"] == 0
+    assert rows["quartet2"]["versus"]["nvidia"]["lower_in"] == 3
+    gaps = [100 * (1.005 + s) / (1.0 + s) - 100 for s in (0.0, 0.01, -0.02)]
+    assert rows["nvidia"]["gap_pct"]["mean"] == pytest.approx(sum(gaps) / 3)
+    reduction = 100 * (1 - rows["quartet2"]["gap_pct"]["mean"] / rows["nvidia"]["gap_pct"]["mean"])
+    assert rows["nvidia"]["quartet2_gap_reduction_pct"] == pytest.approx(reduction)
+    assert "quartet2_gap_reduction_pct" not in rows["fwd_1x16"] and "gap_pct" not in rows["bf16"]
+    assert rows["nvidia"]["runs"]["1"]["val_bpb"] == pytest.approx(1.015)
