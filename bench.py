@@ -39,9 +39,9 @@ import triton
 import kernels
 import model
 import train
-from eden import inverse_rht, quantize_ms_eden, random_signs
+from eden import concentration, ms_eden_estimate, random_signs
 from model import GPT, RECIPES, Linear, RecipeLinear, make_optimizers, recipe_names
-from quantize import E2M1_MAX, SR_FP4_MAX, NVFP4Tensor, default_fp8_max, quantize_nvfp4
+from quantize import E2M1_MAX, SR_FP4_MAX, NVFP4Tensor, default_fp8_max, quantize_nvfp4, relative_error
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 KERNEL_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -51,33 +51,14 @@ def rtn_or_sr(**options):
     return lambda x, generator: quantize_nvfp4(x, generator=generator, **options).dequantize()
 
 
-def ms_eden(x, generator):
-    signs = random_signs(generator=generator)
-    return inverse_rht(quantize_ms_eden(x, signs, generator).dequantize(), signs)
-
-
 QUANTIZERS = {  # name -> (estimate of x, the paper's Table 1 relative error x 1e-3)
     "RTN 1x16": (rtn_or_sr(), 9.0),
     "RTN 1x16 + 4/6": (rtn_or_sr(four_over_six=True), 7.6),
     "RTN 16x16": (rtn_or_sr(block="16x16"), 12.4),
     "SR (fp4_max 6*16/17)": (rtn_or_sr(rounding="sr", fp4_max=SR_FP4_MAX), 23.5),
     "SR + 4/6": (rtn_or_sr(rounding="sr", fp4_max=SR_FP4_MAX, four_over_six=True), 17.5),
-    "MS-EDEN": (ms_eden, 9.4),
+    "MS-EDEN": (ms_eden_estimate, 9.4),
 }
-
-
-def relative_error(estimate, x):
-    return ((estimate.double() - x.double()).square().sum() / x.double().square().sum()).item()
-
-
-def concentration(quantizer, x, batch_sizes, generator):
-    """Relative error of the mean of B independent quantizations of x, for each B in batch_sizes (increasing)."""
-    errors, total = {}, torch.zeros_like(x, dtype=torch.float64)
-    for done in range(1, max(batch_sizes) + 1):
-        total += quantizer(x, generator)
-        if done in batch_sizes:
-            errors[done] = relative_error(total / done, x)
-    return errors
 
 
 def bench_quant(args):

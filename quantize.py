@@ -261,6 +261,11 @@ def check_quantizer(rounding, block, fp4_max, fp8_max, four_over_six):
         raise ValueError(f"fp8_max={fp8_max} leaves no room in E4M3 (1 ... 448) for the scales it implies")
 
 
+def check_generator(generator):
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
+
+
 def default_fp8_max(four_over_six):
     return FOUR_OVER_SIX_FP8_MAX if four_over_six else E4M3_MAX
 
@@ -311,6 +316,7 @@ def quantize_nvfp4(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max
     fp8_max = default_fp8_max(four_over_six) if fp8_max is None else fp8_max
     check_quantizer(rounding, block, fp4_max, fp8_max, four_over_six)
     check_quantizable(x, GROUP, dims=1 if block == "1x16" else 2)
+    check_generator(generator)
     x = x.detach()  # no gradient: through the tensor scale alone it would be meaningless
 
     groups = to_groups(x.float(), block)  # [..., groups, 16 or 256]
@@ -328,3 +334,55 @@ def quantize_nvfp4(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max
 
     codes = pack_codes(encode_e2m1(from_groups(values, block)))
     return NVFP4Tensor(codes, group_scale.squeeze(-1).to(torch.float8_e4m3fn), tensor_scale, x.shape, block)
+
+
+# -----------------------------------------------------------------------------
+# See it work: python quantize.py
+
+
+def relative_error(estimate, x):
+    """||estimate - x||^2 / ||x||^2, in FP64: the paper's Table 1 measure."""
+    return ((estimate.double() - x.double()).square().sum() / x.double().square().sum()).item()
+
+
+def worked_example(x):
+    """Section 3 by hand on the first group of x [R, C], printed step by step; returns what quantize_nvfp4 stores for
+    it (the tests check they are the same): tensor_scale, group_scale, codes, dequantized values."""
+    row = lambda name, t, f="6.2f": print(f"  {name:<18}" + "".join(f"{v:{f}}" for v in t.tolist()))
+    tensor_scale = tensor_scale_for(x.abs().amax(), E4M3_MAX * E2M1_MAX)
+    group = x[0, :GROUP].float()
+    unrounded = group.abs().amax() * (1 / (E2M1_MAX * tensor_scale))
+    group_scale = e4m3_round(unrounded)
+    values = e2m1_round(group * (1 / (group_scale * tensor_scale)))
+    codes, dequantized = encode_e2m1(values), values * group_scale * tensor_scale
+    print(f"NVFP4 step by step on the first 16 values of a {x.shape[0]} x {x.shape[1]} N(0, 1) tensor x:\n"
+          f"  tensor scale ts = amax(|x|) / (448 * 6) = {x.abs().max():.3f} / 2688 = {tensor_scale:.4g} (FP32)\n"
+          f"  group scale gs = E4M3(amax(|group|) / (6 * ts)) = E4M3({unrounded:.2f}) = {group_scale:g} (8 bits)")
+    row("x", group)
+    row("x / (gs * ts)", group * (1 / (group_scale * tensor_scale)))
+    row("nearest E2M1", values)
+    row("4-bit code", codes, "6d")
+    row("code * gs * ts", dequantized)
+    print(f"  relative error ||x - q(x)||^2 / ||x||^2 of this group: {relative_error(dequantized, group):.4f}")
+    return tensor_scale, group_scale, codes, dequantized
+
+
+def compare_roundings(x, draws=64, generator=None):
+    """Each rounding's error on x, and the error of the mean of `draws` quantizations: a deterministic quantizer's
+    error is all bias and does not fall; an unbiased one's falls like 1 / draws. Returns {name: (one, mean)}."""
+    errors = {}
+    print(f"Relative error x 1e-3 on a {x.shape[0]} x {x.shape[1]} N(0, 1) tensor: once, the mean of {draws} times")
+    for name, options in (("round to nearest", {}), ("four-over-six", dict(four_over_six=True)),
+                          ("stochastic rounding", dict(rounding="sr", fp4_max=SR_FP4_MAX))):
+        quantize = lambda: quantize_nvfp4(x, generator=generator, **options).dequantize(torch.float64)
+        errors[name] = one, mean = relative_error(quantize(), x), relative_error(sum(
+            quantize() for _ in range(draws)) / draws, x)
+        print(f"  {name:<20}{1e3 * one:7.2f}{1e3 * mean:7.2f}  " + ("unbiased: its noise averages out" if mean < one / 2
+                                                                    else "deterministic: its error is all bias"))
+    return errors
+
+
+if __name__ == "__main__":
+    generator = torch.Generator().manual_seed(0)
+    worked_example(torch.randn(16, 64, generator=generator))
+    compare_roundings(torch.randn(256, 256, generator=generator), generator=generator)

@@ -3,11 +3,15 @@
 import pytest
 import torch
 
+import subprocess
+import sys
+
 import bench
-from eden import quantize_ms_eden, random_signs
+import quantize
+from eden import concentration, quantize_ms_eden, random_signs
 from quantize import (SR_FP4_MAX, E2M1_VALUES, NVFP4Tensor, _quantize_groups, decode_e2m1, e2m1_round, e4m3_round,
-                      e4m3_stochastic_round, encode_e2m1, pack_codes, quantize_nvfp4, sr_noise, to_groups,
-                      unpack_codes)
+                      e4m3_stochastic_round, encode_e2m1, pack_codes, quantize_nvfp4, relative_error, sr_noise,
+                      to_groups, unpack_codes)
 
 from conftest import ALL_E4M3, grid_neighbours
 
@@ -92,7 +96,7 @@ def test_table1_error_within_3_percent_of_the_paper(name):
     quantizer, paper = bench.QUANTIZERS[name]
     g = torch.Generator().manual_seed(2)
     x = torch.randn(1024, 4096, generator=g)
-    ours = bench.relative_error(quantizer(x, g), x) * 1e3
+    ours = relative_error(quantizer(x, g), x) * 1e3
     assert abs(ours / paper - 1) <= 0.03, f"{name}: {ours:.2f}e-3 vs paper {paper}e-3"
 
 
@@ -105,7 +109,7 @@ def test_concentration_separates_unbiased_from_biased(name, unbiased):
     g = torch.Generator().manual_seed(3)
     x = torch.randn(64, 1024, generator=g)
     batch_sizes = [1, 4, 16, 64, 256]
-    errors = bench.concentration(quantizer, x, batch_sizes, g)
+    errors = concentration(quantizer, x, batch_sizes, g)
     growth = [errors[b] * b / errors[1] for b in batch_sizes]
     if unbiased:
         assert all(0.9 < r < 1.1 for r in growth), growth
@@ -228,7 +232,7 @@ def test_float_dtypes(dtype):
     q = quantize_nvfp4(x)
     reference = quantize_nvfp4(x.float())
     assert q.shape == x.shape and torch.equal(q.codes, reference.codes)
-    assert bench.relative_error(q.dequantize(), x.float()) < 0.012
+    assert relative_error(q.dequantize(), x.float()) < 0.012
 
 
 def test_batched_input_quantizes_along_the_last_dimension():
@@ -277,3 +281,34 @@ def test_the_quantizers_give_no_gradient():
     x = torch.randn(128, 128, requires_grad=True)
     assert not quantize_nvfp4(x).dequantize().requires_grad
     assert not quantize_ms_eden(x, random_signs()).dequantize().requires_grad
+
+
+def test_the_worked_example_is_the_quantizer_step_by_step():
+    x = torch.randn(16, 64, generator=torch.Generator().manual_seed(3)) * 5
+    tensor_scale, group_scale, codes, dequantized = quantize.worked_example(x)
+    q = quantize_nvfp4(x)
+    assert torch.equal(tensor_scale, q.tensor_scale) and group_scale == q.group_scale[0, 0].float()
+    assert torch.equal(codes, unpack_codes(q.codes)[0, :16]) and torch.equal(dequantized, q.dequantize()[0, :16])
+
+
+def test_the_roundings_compared_show_their_errors_and_bias():
+    generator = torch.Generator().manual_seed(4)
+    errors = quantize.compare_roundings(torch.randn(128, 256, generator=generator), 16, generator)
+    assert errors["round to nearest"][1] == errors["round to nearest"][0]  # deterministic: the mean is itself
+    assert errors["four-over-six"][0] < errors["round to nearest"][0] < errors["stochastic rounding"][0]
+    # unbiased: variance / 16 (2048 groups: a 15% band is ~5 standard deviations)
+    assert 0.85 < 16 * errors["stochastic rounding"][1] / errors["stochastic rounding"][0] < 1.15
+
+
+@pytest.mark.parametrize("script,expected", [("quantize.py", ["tensor scale ts = amax(|x|) / (448 * 6)", "4-bit code",
+                                                              "stochastic rounding", "its noise averages out"]),
+                                             ("eden.py", ["MS-EDEN", "The rotation undone"])])
+def test_the_concepts_run_as_scripts(script, expected):
+    out = subprocess.run([sys.executable, script], capture_output=True, text=True, check=True,
+                         cwd=bench.ROOT).stdout
+    assert all(text in out for text in expected), out
+
+
+def test_a_generator_that_is_not_one_is_refused():
+    with pytest.raises(ValueError, match="torch.Generator"):
+        quantize_nvfp4(torch.randn(16, 16), "sr", generator=5)
