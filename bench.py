@@ -328,12 +328,13 @@ def median_ms(fn, graph=False):
 
 
 def training_step(depth, recipe, args, device, accumulation):
-    """A training step as train.py runs it, on random tokens: (ms of args.calls forward + backward passes back to back,
-    sorted; the host's ms for one; an optimizer step's median ms; the step's peak memory in GB)."""
+    """A training step as train.py runs it, on random tokens: (the median ms of args.calls forward + backward passes
+    run back to back, as in training, where the host queues the next while the GPU runs this one; the median ms of
+    an optimizer step; the step's peak memory in GB)."""
     torch.manual_seed(0)
-    model, flags = GPT(depth, recipe, max_seq_len=args.seq_len).to(device), train.parse_args([])  # its learning rates
-    adamw, muon = make_optimizers(model, flags.lr_matrix, flags.lr_embedding, flags.lr_head)
-    runner = train.compile_model(model) if args.compile else model
+    gpt, flags = GPT(depth, recipe, max_seq_len=args.seq_len).to(device), train.parse_args([])  # its learning rates
+    optimizers = make_optimizers(gpt, flags.lr_matrix, flags.lr_embedding, flags.lr_head)
+    runner = train.compile_model(gpt) if args.compile else gpt
     batch = torch.randint(0, 50257, (args.device_batch, args.seq_len + 1), device=device)
 
     def forward_backward():
@@ -341,65 +342,49 @@ def training_step(depth, recipe, args, device, accumulation):
             runner(batch[:, :-1], batch[:, 1:]).backward()
 
     def optimizer_step():
-        adamw.step()
-        muon.step()
+        for optimizer in optimizers:
+            optimizer.step()
 
-    def whole_step():
+    for measured in (False, True):  # compiles and warms up, then (--cuda-graph) captures, then a measured step
         for _ in range(accumulation):
             forward_backward()
         optimizer_step()
-        model.zero_grad(set_to_none=not args.cuda_graph)  # a captured backward adds into the same gradient tensors
-
-    whole_step()  # compiles, warms up
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    if args.cuda_graph:  # captured after the reset: a replay allocates nothing, the capture holds its memory
-        forward_backward = train.cuda_graph(forward_backward)[0]  # whole_step now replays it too
-    whole_step()
-    torch.cuda.synchronize()
-    peak_memory = torch.cuda.max_memory_allocated() / 1e9
+        gpt.zero_grad(set_to_none=not args.cuda_graph)  # a captured backward adds into the same gradient tensors
+        torch.cuda.synchronize()
+        if not measured:
+            torch.cuda.reset_peak_memory_stats()  # a replay allocates nothing: the capture holds its memory
+            forward_backward = train.cuda_graph(forward_backward)[0] if args.cuda_graph else forward_backward
     events = [torch.cuda.Event(enable_timing=True) for _ in range(args.calls + 1)]
     events[0].record()
-    for event in events[1:]:  # as in training: the next call's host work overlaps the GPU's
+    for event in events[1:]:
         forward_backward()
         event.record()
     torch.cuda.synchronize()
     times = sorted(start.elapsed_time(end) for start, end in zip(events, events[1:]))
-    pause, tic = 1.25 * times[-1] / 1e3, time.perf_counter()  # host time: calls spaced so the GPU has caught up
-    for _ in range(5):
-        forward_backward()
-        time.sleep(pause)
-    torch.cuda.synchronize()
-    ms_host = 1e3 * ((time.perf_counter() - tic) / 5 - pause)
-    return times, ms_host, median_ms(optimizer_step), peak_memory
+    return times[len(times) // 2], median_ms(optimizer_step), torch.cuda.max_memory_allocated() / 1e9
 
 
 def bench_train(args):
-    device = gpu()
-    tokens = args.device_batch * args.seq_len
+    device, tokens, rows = gpu(), args.device_batch * args.seq_len, []
     print(f"training step of train.py's presets: micro-batches of {args.device_batch} x {args.seq_len} tokens, BF16 "
-          f"autocast, {'compiled' if args.compile else 'eager'}{', in CUDA graphs' if args.cuda_graph else ''}")
-    print(f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'range ms':>14}{'host ms':>8}{'optim ms':>9}"
-          f"{'step ms':>9}{'tokens/s':>11}{'vs bf16':>8}{'peak GB':>8}")
-    rows = []
+          f"autocast, {'compiled' if args.compile else 'eager'}{', in CUDA graphs' if args.cuda_graph else ''}\n"
+          f"{'depth':>5} {'recipe':<10}{'accum':>6}{'fwd+bwd ms':>11}{'optim ms':>9}{'step ms':>9}{'tokens/s':>11}"
+          f"{'vs bf16':>8}{'peak GB':>8}")
     for depth in args.depth:
-        preset = train.PRESETS.get(f"d{depth}", train.PRESETS["d12"])
-        accumulation, baseline = max(1, preset["batch_tokens"] // tokens), None
+        accumulation = max(1, train.PRESETS.get(f"d{depth}", train.PRESETS["d12"])["batch_tokens"] // tokens)
         for recipe in args.recipes:
-            times, ms_host, ms_opt, peak_memory = training_step(depth, recipe, args, device, accumulation)
-            ms_fb = times[len(times) // 2]  # the median (the upper one of an even count)
+            ms_fb, ms_opt, peak_memory = training_step(depth, recipe, args, device, accumulation)
             torch.cuda.empty_cache()
             ms_step = accumulation * ms_fb + ms_opt
             tokens_per_s = accumulation * tokens / (ms_step * 1e-3)
-            baseline = tokens_per_s if recipe == "bf16" else baseline  # bf16 comes first by default
-            ratio = tokens_per_s / baseline if baseline else None
+            baseline = next((r["tokens_per_s"] for r in rows if (r["depth"], r["recipe"]) == (depth, "bf16")), None)
             rows.append(dict(depth=depth, recipe=recipe, accumulation=accumulation, forward_backward_ms=ms_fb,
-                             forward_backward_all_ms=times, host_ms=ms_host, optimizer_ms=ms_opt, step_ms=ms_step,
-                             tokens_per_s=tokens_per_s, vs_bf16=ratio, peak_memory_gb=peak_memory,
-                             compiled=args.compile, cuda_graph=args.cuda_graph))
-            print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{f'{times[0]:.1f}-{times[-1]:.1f}':>14}"
-                  f"{ms_host:>8.1f}{ms_opt:>9.1f}{ms_step:>9.1f}{tokens_per_s:>11,.0f}"
-                  f"{f'{ratio:.2f}x' if ratio else '-':>8}{peak_memory:>8.1f}", flush=True)
+                             optimizer_ms=ms_opt, step_ms=ms_step, tokens_per_s=tokens_per_s, peak_memory_gb=peak_memory,
+                             vs_bf16=tokens_per_s / baseline if baseline else None, compiled=args.compile,
+                             cuda_graph=args.cuda_graph))
+            ratio = f"{rows[-1]['vs_bf16']:.2f}x" if baseline else "-"
+            print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{ms_opt:>9.1f}{ms_step:>9.1f}"
+                  f"{tokens_per_s:>11,.0f}{ratio:>8}{peak_memory:>8.1f}", flush=True)
     return rows
 
 
