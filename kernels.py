@@ -275,15 +275,14 @@ def _load_nvfp4(codes_ptr, scales_ptr, row0, col0, width, ROWS: tl.constexpr, CO
                 TILE16: tl.constexpr):
     """NVFP4Tensor.dequantize(tensor_scale=False) of the [ROWS, COLS] tile at (row0, col0) of an NVFP4 tensor [*,
     width] with 1x16 or (TILE16; row0 a multiple of 16) 16x16 groups: code * group_scale in float32 (exact in BF16)."""
-    values = _e2m1_value(_unpack_codes(tl.load(codes_ptr + _offsets(row0, col0, width, ROWS, COLS, 2)), ROWS, COLS))
-    values = tl.reshape(values, (ROWS // 16, 16, COLS // 16, 16))
+    packed = tl.load(codes_ptr + _offsets(row0, col0, width, ROWS, COLS, 2))
     if TILE16:
         scale_bits = tl.load(scales_ptr + _offsets(row0 // 16, col0, width, ROWS // 16, COLS, 16))
-        values = values * tl.reshape(_e4m3_value(scale_bits), (ROWS // 16, 1, COLS // 16, 1))
     else:
         scale_bits = tl.load(scales_ptr + _offsets(row0, col0, width, ROWS, COLS, 16))
-        values = values * tl.reshape(_e4m3_value(scale_bits), (ROWS // 16, 16, COLS // 16, 1))
-    return tl.reshape(values, (ROWS, COLS))
+    values = tl.reshape(_e2m1_value(_unpack_codes(packed, ROWS, COLS)), (ROWS // 16, 16, COLS // 16, 16))
+    scales = tl.reshape(_e4m3_value(scale_bits), (ROWS // 16, 1 if TILE16 else 16, COLS // 16, 1))
+    return tl.reshape(values * scales, (ROWS, COLS))
 
 
 # Rotations (eden.rht). Finite inputs beyond ROTATION_LIMIT saturate first. The largest |sum| of +-x over a chunk (a
@@ -597,7 +596,7 @@ def _group_maxima(sums, ROWS: tl.constexpr):
 
 
 @triton.jit
-def _eden_groups(groups, largest, ROWS: tl.constexpr):
+def _eden_groups(groups, largest, tensor_scale, ROWS: tl.constexpr):
     """eden.eden_groups, the math of phase one, on groups [ROWS, 8, 16] of rotation sums (sqrt(128) * rht) and their
     largest |sum| [ROWS, 8, 1]: the signed 4-bit codes [ROWS, 8, 16] and corrected scales scale_g * S_g [ROWS, 8]."""
     scale = largest * _EDEN_SCALE_PER_SUM
@@ -608,6 +607,7 @@ def _eden_groups(groups, largest, ROWS: tl.constexpr):
     norm = tl.sum(scaled * scaled, axis=2, keep_dims=True)
     overlap = tl.sum(tl.abs(scaled) * magnitude, axis=2, keep_dims=True)  # = <scaled, its rounding>: same signs
     corrected = tl.reshape(scale * tl.where(overlap > 0, tl.math.div_rn(norm, overlap), 1.0), (ROWS, 8))
+    corrected = corrected * tensor_scale  # the NVFP4 input's tensor scale, or 1
     return code | _code_sign(scaled), corrected
 
 
@@ -630,17 +630,12 @@ def _eden_job_input(x_ptr, stride_r, stride_c, nvfp4_codes_ptr, nvfp4_scales_ptr
 
 @triton.jit
 def _eden_jobs(x_ptr, stride_r, stride_c, nvfp4_codes_ptr, nvfp4_scales_ptr, rotation, tensor_scale, codes_ptr,
-               corrected_ptr, R, C, JOBS_PER_TILE: tl.constexpr, TILES: tl.constexpr, JOB_ROWS: tl.constexpr,
+               corrected_ptr, R, C, first, step, job0, TILES: tl.constexpr, JOB_ROWS: tl.constexpr,
                TRANSPOSED: tl.constexpr):
     """The scheduling of phase one: a program's jobs, stored, and their largest corrected scale as int32 bits. Program
     p does job p % JOBS_PER_TILE of tile p // JOBS_PER_TILE and of every (programs / JOBS_PER_TILE)-th tile after it:
     rows job0 ... job0 + JOB_ROWS - 1 of the 128 x 128 tile rotated along C, or (TRANSPOSED) those columns, whose
     transpose is rotated along R. A tile's jobs run at once on neighbouring programs: it is read from memory once."""
-    job = tl.program_id(0) % JOBS_PER_TILE
-    first = tl.program_id(0) // JOBS_PER_TILE
-    step = tl.num_programs(0) // JOBS_PER_TILE
-    job0 = (job % (_HADAMARD // JOB_ROWS)) * JOB_ROWS  # row jobs come first, then column jobs
-    words_ptr = codes_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # the packed codes as int32, 8 codes each
     largest_bits = tl.zeros((JOB_ROWS, 8), dtype=tl.int32)  # reduced across threads once, at the end
     tile_cols = C // _HADAMARD
     last = (R // _HADAMARD) * tile_cols - 1
@@ -663,10 +658,10 @@ def _eden_jobs(x_ptr, stride_r, stride_c, nvfp4_codes_ptr, nvfp4_scales_ptr, rot
                 values = _eden_job_input(x_ptr, stride_r, stride_c, nvfp4_codes_ptr, nvfp4_scales_ptr, C, in_row,
                                          in_col, JOB_ROWS, TRANSPOSED, True)
                 groups, largest = _group_maxima(_rotate(values, rotation, _HADAMARD, False), JOB_ROWS)
-        codes, corrected = _eden_groups(groups, largest, JOB_ROWS)
-        corrected = corrected * tensor_scale  # the NVFP4 input's, or 1
-        tl.store(words_ptr + _offsets(out_row, out_col, width, JOB_ROWS, _HADAMARD, 8),
-                 _pack_code_words(codes, JOB_ROWS))
+        codes, corrected = _eden_groups(groups, largest, tensor_scale, JOB_ROWS)
+        words_ptr = codes_ptr.to(tl.pointer_type(tl.int32), bitcast=True)  # the packed codes as int32, 8 codes each
+        words = _pack_code_words(codes, JOB_ROWS)
+        tl.store(words_ptr + _offsets(out_row, out_col, width, JOB_ROWS, _HADAMARD, 8), words)
         tl.store(corrected_ptr + _offsets(out_row, out_col, width, JOB_ROWS, _HADAMARD, 16), corrected)
         largest_bits = tl.maximum(largest_bits, _abs_bits(corrected))
     if x_ptr is None:  # the job's maximum in one step, or in two (rows, then theirs): each input's better build
@@ -687,14 +682,19 @@ def _eden_phase1_kernel(
     the rotation once, then does jobs of one kind."""
     rotation = _rotation_matrix(signs_ptr, _HADAMARD, _grouped_columns()).to(_DOT_DTYPE)  # converted once
     tensor_scale = 1.0 if x_ptr is not None else tl.load(nvfp4_tensor_scale_ptr)
-    JOBS_PER_TILE: tl.constexpr = (1 if row_codes_ptr is None else 2) * (_HADAMARD // JOB_ROWS)
-    if row_codes_ptr is not None and tl.program_id(0) % JOBS_PER_TILE < _HADAMARD // JOB_ROWS:
+    slices: tl.constexpr = _HADAMARD // JOB_ROWS  # row jobs (and column jobs) per tile
+    jobs_per_tile: tl.constexpr = slices if row_codes_ptr is None else 2 * slices
+    job = tl.program_id(0) % jobs_per_tile  # this program's job in each of its tiles: row jobs first
+    first = tl.program_id(0) // jobs_per_tile
+    step = tl.num_programs(0) // jobs_per_tile
+    job0 = (job % slices) * JOB_ROWS
+    if row_codes_ptr is not None and job < slices:
         tl.atomic_max(row_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, nvfp4_codes_ptr, nvfp4_scales_ptr, rotation,
-                                               tensor_scale, row_codes_ptr, row_corrected_ptr, R, C, JOBS_PER_TILE,
+                                               tensor_scale, row_codes_ptr, row_corrected_ptr, R, C, first, step, job0,
                                                TILES_PER_PROGRAM, JOB_ROWS, False))
     else:
         tl.atomic_max(col_amax_ptr, _eden_jobs(x_ptr, stride_r, stride_c, nvfp4_codes_ptr, nvfp4_scales_ptr, rotation,
-                                               tensor_scale, col_codes_ptr, col_corrected_ptr, R, C, JOBS_PER_TILE,
+                                               tensor_scale, col_codes_ptr, col_corrected_ptr, R, C, first, step, job0,
                                                TILES_PER_PROGRAM, JOB_ROWS, True))
 
 
@@ -775,14 +775,14 @@ _EDEN_FP8_MAX = tl.constexpr(EDEN_FP8_MAX)
 @triton.jit
 def _eden_phase2_kernel(seed_ptr, corrected_ptr, amax_ptr, codes_ptr,  # in: a seed, a Phase1
                         scales_ptr, operand_ptr, tensor_scale_ptr,  # out: E4M3 bits, gemm operand (None: not made)
-                        n_groups, first_draw, GROUPS: tl.constexpr):
+                        n_groups, seed_offset, GROUPS: tl.constexpr):
     """MS-EDEN phase two of GROUPS 16-groups per program: the tensor scale from the largest corrected scale, E4M3
     stochastic rounding of each corrected scale (Philox numbers first_draw + group), and code * group_scale."""
     group = tl.program_id(0) * GROUPS + tl.arange(0, GROUPS)
     valid = group < n_groups
     tensor_scale = _tensor_scale(tl.load(amax_ptr), _EDEN_FP8_MAX)
     target = tl.math.div_rn(tl.load(corrected_ptr + group, mask=valid, other=0.0), tensor_scale)
-    scale = _e4m3_round(target, tl.rand(tl.load(seed_ptr), first_draw + group))
+    scale = _e4m3_round(target, tl.rand(tl.load(seed_ptr) + seed_offset, group))
     tl.store(scales_ptr + group, _e4m3_bits(scale), mask=valid)
     if operand_ptr is not None:
         packed = tl.load(codes_ptr + group[:, None] * 8 + tl.arange(0, 8)[None, :], mask=valid[:, None], other=0)
@@ -796,7 +796,7 @@ def _eden_phase2_kernel(seed_ptr, corrected_ptr, amax_ptr, codes_ptr,  # in: a s
 PHASE2_GROUPS = 256  # 16-groups per program
 
 
-def eden_phase2(phase1, seed=None, gemm_operand=True, first_draw=0):
+def eden_phase2(phase1, seed=None, gemm_operand=True, seed_offset=0):
     """Phase two of a Phase1: its NVFP4Tensor. The stochastic rounding takes the Philox numbers first_draw, first_draw
     + 1, ... of seed: tensors quantized with one seed (E and E^T of one backward) take disjoint ones."""
     codes, corrected, amax_bits = phase1
@@ -804,7 +804,7 @@ def eden_phase2(phase1, seed=None, gemm_operand=True, first_draw=0):
     q = _empty_nvfp4(codes.shape[0], codes.shape[1] * 2, "1x16", codes.device, gemm_operand, codes)
     _eden_phase2_kernel[(_ceil_div(corrected.numel(), PHASE2_GROUPS),)](
         seed, corrected, amax_bits, codes, q.group_scale.view(torch.uint8), q.gemm_operand, q.tensor_scale,
-        corrected.numel(), first_draw, GROUPS=PHASE2_GROUPS)
+        corrected.numel(), seed_offset, GROUPS=PHASE2_GROUPS)
     return q
 
 
@@ -813,7 +813,7 @@ def triton_ms_eden_pair(x, signs, seed=None, gemm_operand=True):
     rows, cols = eden_phase1(x, signs)
     seed = draw_seed(x.device, seed, "MS-EDEN")
     return (eden_phase2(rows, seed, gemm_operand),
-            eden_phase2(cols, seed, gemm_operand, first_draw=rows.corrected.numel()))
+            eden_phase2(cols, seed, gemm_operand, seed_offset=1))
 
 
 def eden_phase1_requantize(q, signs):

@@ -50,7 +50,7 @@ gradients; each gradient stays unbiased, since each is a block of rows of one un
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -182,7 +182,10 @@ def requantize_transposed(t, q, signs):
         return t.t() if t.block == "16x16" else dequantized_fp32(t).t()
     if q == EDEN:
         return kernels.requantize_ms_eden_op(t, signs)
-    return quantize_operand(dequantized_fp32(t), q, signs, transpose=True)
+    # code * group_scale, exact in BF16, re-quantized; the saved tensor scale goes to the result's (as MS-EDEN's does)
+    operand = kernels.dequantize_op(t, torch.bfloat16, tensor_scale=False)
+    requantized = quantize_operand(operand, q, signs, transpose=True)
+    return replace(requantized, tensor_scale=requantized.tensor_scale * t.tensor_scale)
 
 
 def matmul(a, b, dtype):
