@@ -3,10 +3,10 @@
     python tests/compile_targets.py OUT.json 90 100 120      # sm_90 (Hopper), sm_100 and sm_120 (Blackwell)
 
 It imports kernels.py without Triton's interpreter, records every kernel launch of the linear layers' forward +
-backward (every recipe, in BF16 as training autocasts it, with each target's launch shapes; recorded, not run) and compiles each with
-Triton for each target, through a stand-in for Triton's GPU driver that names the target, with the launch's own
-grid, constants, warps and register cap. ptxas reports MS-EDEN phase one's registers and spills; the table and
-OUT.json list every build, with the provenance (tests/test_targets.py checks them)."""
+backward (every recipe, in BF16 as training autocasts it, with each target's launch shapes; recorded, not run) and
+compiles each with Triton for each target, through a stand-in for Triton's GPU driver that names the target, with
+the launch's own grid, constants, warps and register cap. ptxas reports MS-EDEN phase one's registers and spills;
+the table and OUT.json list every build, with the provenance (tests/test_targets.py checks them)."""
 
 import json
 import os
@@ -33,7 +33,7 @@ def record_launches(arch):
     import model
     multiprocessors, shared, _ = TARGETS[arch]
     kernels._on_gpu = lambda t: True  # the operators take the kernels' path for CPU tensors,
-    kernels.check_kernel_device = lambda t, what: None  # the launchers accept them,
+    kernels.check_input = lambda *args, **kwargs: None  # the launchers accept them,
     kernels._gpu = lambda device: (multiprocessors, shared)  # and size their launches for the target
     kernels.native_fp4_available = lambda device: arch >= 100
     torch.nn.functional.scaled_mm = lambda **arguments: (_ for _ in ()).throw(RuntimeError("no GPU here"))
@@ -100,8 +100,9 @@ def compile_for(arch):
             compiled = run(kernel, *args, grid=grid, warmup=True, **meta)
             row["shared"] = compiled.metadata.shared
             if kernel.__name__ == "_eden_phase1_kernel":  # its persistent programs share a multiprocessor: their
-                row.update(ptxas_resources(compiled, arch))  # resources
-                row["programs_per_multiprocessor"] = kernels.eden_launch(torch.device("cuda")).programs_per_multiprocessor
+                row.update(ptxas_resources(compiled, arch))  # resources, and how many of them (kernels.EDEN_LAUNCH)
+                size = "small" if TARGETS[arch][1] < kernels.SMALL_SHARED_MEMORY else "large"
+                row["programs_per_multiprocessor"] = kernels.EDEN_LAUNCH[size].programs_per_multiprocessor
         except Exception as error:  # a compiler crash is the finding
             row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         rows.append(row)
