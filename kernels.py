@@ -301,7 +301,6 @@ def _rotated_amax_kernel(x_ptr, stride_r, stride_c, signs_ptr, amax_ptr,  # in: 
 # Launching. Each public launcher checks its inputs once, one line per problem: a kernel reads memory as they say.
 KERNEL_DTYPES = (torch.bfloat16, torch.float32) if INTERPRETED else (torch.bfloat16,)
 ROTATIONS = (16, 32, 128)  # the quantizer's rotation widths: NVIDIA's 16, TetraJet-v2's 32, MS-EDEN's 128
-AMAX_BLOCK, ROTATED_AMAX_ROWS = 4096, 32  # per program (the rotated one: 16 rows where the rows are not 32s)
 
 
 def check_input(t, multiple, what, transpose=False, blocks=None):
@@ -342,8 +341,7 @@ def draw_seed(device, seed=None, what="the kernel"):
     return seed
 
 
-def _ceil_div(a, b):
-    """ceil(a / b) for positive integers (triton.cdiv is slower on the host)."""
+def _ceil_div(a, b):  # ceil(a / b) for positive integers (triton.cdiv is slower on the host)
     return -(-a // b)
 
 
@@ -356,6 +354,9 @@ def _empty_nvfp4(rows, cols, block, device, gemm_operand, codes=None):
                        empty(rows, cols, dtype=torch.bfloat16) if gemm_operand else None)
 
 
+AMAX_BLOCK, ROTATED_AMAX_ROWS = 4096, 32  # per program (the rotated one: 16 rows where the rows are not 32s)
+
+
 def amax(x, transpose=False, signs=None):
     """max |x| (or |rht(x or x^T, signs)|) as int32 bits [1], without a host sync: triton_quantize's first pass."""
     bits = torch.zeros(1, dtype=torch.int32, device=x.device)
@@ -364,7 +365,7 @@ def amax(x, transpose=False, signs=None):
         _amax_kernel[(_ceil_div(x.numel(), AMAX_BLOCK),)](x, bits, x.numel(), BLOCK=AMAX_BLOCK)
         return bits
     rows, cols = (x.shape[1], x.shape[0]) if transpose else x.shape
-    block = ROTATED_AMAX_ROWS if rows % ROTATED_AMAX_ROWS == 0 else QUANTIZE_ROWS
+    block = ROTATED_AMAX_ROWS if rows % ROTATED_AMAX_ROWS == 0 else 16
     _rotated_amax_kernel[(rows // block, cols // HADAMARD)](x, *x.stride(), signs, bits, ROWS=block, N=signs.numel(),
                                                             TRANSPOSE=transpose)
     return bits
@@ -748,8 +749,7 @@ Quantized = tuple[Tensor, Tensor, Tensor, Tensor]
 QuantizedPair = tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]
 
 
-def _on_gpu(t):
-    """Whether the operators run the Triton kernels on t (CUDA) or the references (any other device)."""
+def _on_gpu(t):  # whether the operators run the Triton kernels on t (CUDA) or the references (any other device)
     return t.is_cuda
 
 
@@ -874,6 +874,18 @@ def dequantize_op(q, dtype=torch.float32, tensor_scale=True):
 
 # =====================================================================================================================
 # Part III. The GEMM: native NVFP4 on Blackwell (cuBLAS through torch's scaled_mm), emulated in BF16 elsewhere
+def emulated_mm(a, b, out_dtype):
+    """a @ b^T in out_dtype on code * group_scale (exact in BF16), the product of the two tensor scales applied where
+    it is cheapest: to the smaller input (a weight, one BF16 rounding the native GEMM does not have) or to the output.
+    A new tensor, never a view (torch 2.11's compiled backward gives a Function's view of an intermediate no grad)."""
+    a_values, b_values = (dequantize_op(q, out_dtype, tensor_scale=False) if q.gemm_operand is None
+                          else q.gemm_operand.to(out_dtype) for q in (a, b))
+    alpha = a.tensor_scale * b.tensor_scale
+    if b_values.numel() <= a.shape[0] * b.shape[0]:  # fold the tensor scales into the (smaller) weight operand
+        return a_values @ (b_values * alpha).to(out_dtype).t()
+    return (a_values @ b_values.t()) * alpha  # already out_dtype: a 0-dim FP32 factor keeps a tensor's dtype
+
+
 def blocked_scales(group_scale):
     """[rows, K/16] E4M3 scales -> cuBLAS's layout: 128x4 tiles, (r, c) at byte (r % 32) * 16 + (r // 32) * 4 + c."""
     rows, cols = group_scale.shape
@@ -930,18 +942,6 @@ def _native_mm_op(a_codes: Tensor, a_scales: Tensor, a_tensor_scale: Tensor, b_c
 @_native_mm_op.register_fake
 def _(a_codes, a_scales, a_tensor_scale, b_codes, b_scales, b_tensor_scale, out_dtype):
     return a_codes.new_empty((a_codes.shape[0], b_codes.shape[0]), dtype=out_dtype)
-
-
-def emulated_mm(a, b, out_dtype):
-    """a @ b^T in out_dtype on code * group_scale (exact in BF16), the product of the two tensor scales applied where
-    it is cheapest: to the smaller input (a weight, one BF16 rounding the native GEMM does not have) or to the output.
-    A new tensor, never a view (torch 2.11's compiled backward gives a Function's view of an intermediate no grad)."""
-    a_values, b_values = (dequantize_op(q, out_dtype, tensor_scale=False) if q.gemm_operand is None
-                          else q.gemm_operand.to(out_dtype) for q in (a, b))
-    alpha = a.tensor_scale * b.tensor_scale
-    if b_values.numel() <= a.shape[0] * b.shape[0]:  # fold the tensor scales into the (smaller) weight operand
-        return a_values @ (b_values * alpha).to(out_dtype).t()
-    return (a_values @ b_values.t()) * alpha  # already out_dtype: a 0-dim FP32 factor keeps a tensor's dtype
 
 
 def nvfp4_mm(a, b, out_dtype=torch.bfloat16):
