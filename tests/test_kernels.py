@@ -260,7 +260,7 @@ def test_eden_phase1_grid_covers_every_job(multiprocessors):
 @pytest.mark.parametrize("sub", [32, 128])
 def test_eden_phase1_jobs_of_any_height(sub, monkeypatch):
     # Phase one cuts each 128x128 tile into jobs of some rows (and columns); every height gives the same result.
-    monkeypatch.setattr(kernels, "EDEN_LAUNCH", {size: (sub, *launch[1:]) for size, launch in
+    monkeypatch.setattr(kernels, "EDEN_LAUNCH", {size: launch._replace(job_rows=sub) for size, launch in
                                                  kernels.EDEN_LAUNCH.items()})
     x = varied(384, 256, seed=13)
     signs = random_signs(generator=torch.Generator().manual_seed(13))
