@@ -439,14 +439,14 @@ def bench_kernels(args):
     rows, cols = args.rows, args.cols
     x = torch.randn(rows, cols, device=device, dtype=torch.bfloat16)
     signs128, signs16 = random_signs(128, device=device), random_signs(16, device=device)
-    saved = kernels.triton_quantize(x, four_over_six=True, scaled_codes=False)
+    saved = kernels.triton_quantize(x, four_over_six=True, gemm_operand=False)
     phase1 = kernels.eden_phase1(x, signs128)
     source, target = x.flatten(), torch.empty(rows * cols, device=device, dtype=torch.bfloat16)
     copy = 4 * rows * cols / (median_ms(lambda: target.copy_(source), graph=True) * 1e-3)  # read + write, per s
     packed, scales, bf16, fp32_scales = 0.5, 1 / 16, 2.0, 4 / 16  # bytes per element
     rtn = 2 + 2 + packed + scales + bf16  # the amax pass reads x, the quantizer reads it and writes three outputs
     cases = {  # name -> (function, bytes read + written per element)
-        "amax (read)": (lambda: kernels._amax(x), 2),
+        "amax (read)": (lambda: kernels.amax(x), 2),
         "RTN 1x16 (amax + quantize)": (lambda: kernels.triton_quantize(x), rtn),
         "RTN 1x16 + 4/6 (amax + quantize)": (lambda: kernels.triton_quantize(x, four_over_six=True), rtn),
         "RTN 16x16 (amax + quantize)": (lambda: kernels.triton_quantize(x, block="16x16"), rtn - scales + scales / 16),

@@ -50,7 +50,7 @@ gradients; each gradient stays unbiased, since each is a block of rows of one un
 """
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -151,7 +151,7 @@ def recipe_names(text):
 def saved(t, requantizer):
     """What the backward keeps of a forward operand: of an NVFP4Tensor it re-quantizes, the packed form only (0.56
     bytes per element); one it uses as it is keeps its values (code * group scale) too."""
-    return t.packed() if isinstance(t, NVFP4Tensor) and requantizer is not None else t
+    return t.compact() if isinstance(t, NVFP4Tensor) and requantizer is not None else t
 
 
 def quantize_operand(t, q, signs, transpose=False):
@@ -173,30 +173,33 @@ def quantize_gradient(e, e_dx, e_dw, signs):
     return quantize_operand(e, e_dx, signs), quantize_operand(e, e_dw, signs, transpose=True)
 
 
-def requantize_transposed(t, q, signs, dtype):
+def requantize_transposed(t, q, signs):
     """The transpose of a saved forward operand t (an NVFP4Tensor, or BF16 if the forward did not quantize it),
     quantized by q; as it is if q is None (a 16x16 tensor transposes exactly, others as their values)."""
     if not isinstance(t, NVFP4Tensor):
         return quantize_operand(t, q, signs, transpose=True)
     if q is None:
-        return t.t() if t.block == "16x16" else values(t).t()
+        return t.t() if t.block == "16x16" else dequantized_fp32(t).t()
     if q == EDEN:
-        return kernels.requantize_ms_eden_op(t, signs, dtype)
-    return quantize_operand(values(t), q, signs, transpose=True)
+        return kernels.requantize_ms_eden_op(t, signs)
+    # code * group_scale, exact in BF16, re-quantized; the saved tensor scale goes to the result's (as MS-EDEN's does)
+    operand = kernels.dequantize_op(t, torch.bfloat16, tensor_scale=False)
+    requantized = quantize_operand(operand, q, signs, transpose=True)
+    return replace(requantized, tensor_scale=requantized.tensor_scale * t.tensor_scale)
 
 
 def matmul(a, b, dtype):
     """a @ b^T: two NVFP4Tensors through nvfp4_mm (native on Blackwell), anything else on its values in dtype."""
     if isinstance(a, NVFP4Tensor) and isinstance(b, NVFP4Tensor):
         return kernels.nvfp4_mm(a, b, dtype)
-    a, b = (values(t).to(dtype) if isinstance(t, NVFP4Tensor) else t.to(dtype) for t in (a, b))
+    a, b = (dequantized_fp32(t).to(dtype) if isinstance(t, NVFP4Tensor) else t.to(dtype) for t in (a, b))
     return a @ b.t()
 
 
-def values(q):
+def dequantized_fp32(q):
     """An NVFP4Tensor's values, code * group_scale * tensor_scale, in FP32."""
-    scaled = kernels.dequantize_op(q, tensor_scale=False) if q.scaled_codes is None else q.scaled_codes.float()
-    return scaled * q.tensor_scale
+    operand = kernels.dequantize_op(q, tensor_scale=False) if q.gemm_operand is None else q.gemm_operand.float()
+    return operand * q.tensor_scale
 
 
 def save_for_backward(ctx, *items):
@@ -205,7 +208,7 @@ def save_for_backward(ctx, *items):
     tensors, layout = [], []
     for item in items:
         if isinstance(item, NVFP4Tensor):
-            tensors.extend((item.codes, item.group_scale, item.tensor_scale, item.scaled_codes))
+            tensors.extend((item.codes, item.group_scale, item.tensor_scale, item.gemm_operand))
             layout.append((item.shape, item.block))
         else:
             tensors.append(item)
@@ -221,8 +224,8 @@ def saved_tensors(ctx):
         if entry is None:
             items.append(tensors.pop(0))
         else:
-            codes, group_scale, tensor_scale, scaled = (tensors.pop(0) for _ in range(4))
-            items.append(NVFP4Tensor(codes, group_scale, tensor_scale, entry[0], entry[1], scaled))
+            codes, group_scale, tensor_scale, operand = (tensors.pop(0) for _ in range(4))
+            items.append(NVFP4Tensor(codes, group_scale, tensor_scale, entry[0], entry[1], operand))
     return items
 
 
@@ -245,8 +248,8 @@ class RecipeLinear(torch.autograd.Function):
         x, w = saved_tensors(ctx)
         signs = kernels.draw_signs(e) if recipe.rotated() else None  # fresh per call, shared by the four operands
         e_dx, e_dw = quantize_gradient(e, recipe.e_dx, recipe.e_dw, signs)  # [T, out] along out, [out, T] along T
-        dx = matmul(e_dx, requantize_transposed(w, recipe.w_dx, signs, e.dtype), e.dtype)  # [T, in]
-        dw = matmul(e_dw, requantize_transposed(x, recipe.x_dw, signs, e.dtype), e.dtype)  # [out, in]
+        dx = matmul(e_dx, requantize_transposed(w, recipe.w_dx, signs), e.dtype)  # [T, in]
+        dw = matmul(e_dw, requantize_transposed(x, recipe.x_dw, signs), e.dtype)  # [out, in]
         return dx, dw, None
 
 

@@ -160,7 +160,7 @@ def unpack_codes(packed):
 # The container
 
 
-@dataclass
+@dataclass(frozen=True)
 class NVFP4Tensor:
     """A tensor quantized to NVFP4 along its last dimension (1x16) or in 16x16 tiles over its last two.
 
@@ -169,8 +169,9 @@ class NVFP4Tensor:
     tensor_scale: float32, one element
     shape:        the logical shape [..., R, C]
     block:        "1x16" or "16x16"
-    scaled_codes: optional code * group_scale in BF16 (exact), for the BF16 GEMM that stands in for NVFP4 on GPUs
-                  without FP4 tensor cores; the tensor scale is applied to its output (kernels.emulated_mm).
+    gemm_operand: optional code * group_scale in BF16 (exact), the operand of the BF16 GEMM that stands in for NVFP4
+                  on GPUs without FP4 tensor cores; the tensor scale is applied to its output (kernels.emulated_mm).
+    Immutable: a kernel reads its parts as they were checked when it was made.
     """
 
     codes: torch.Tensor
@@ -178,11 +179,12 @@ class NVFP4Tensor:
     tensor_scale: torch.Tensor
     shape: torch.Size
     block: str = "1x16"
-    scaled_codes: Optional[torch.Tensor] = None
+    gemm_operand: Optional[torch.Tensor] = None
 
     def __post_init__(self):
         """Refuse parts that do not fit together (a kernel reading them would read garbage or past their end)."""
-        self.shape, tiled = torch.Size(self.shape), self.block == "16x16"
+        object.__setattr__(self, "shape", torch.Size(self.shape))  # the one assignment a frozen dataclass allows
+        tiled = self.block == "16x16"
         if self.block not in BLOCKS or len(self.shape) < 1 + tiled or any(n % GROUP for n in self.shape[-1 - tiled:]):
             raise ValueError(f"NVFP4Tensor: block must be one of {BLOCKS}, over sizes that are multiples of 16, got "
                              f"{self.block!r} for shape {tuple(self.shape)}")
@@ -190,13 +192,13 @@ class NVFP4Tensor:
         tiles = (*lead[:-1], lead[-1] // GROUP) if tiled else lead
         for name, dtype, shape in (("codes", torch.uint8, (*lead, cols // 2)), ("tensor_scale", torch.float32, ()),
                                    ("group_scale", torch.float8_e4m3fn, (*tiles, cols // GROUP)),
-                                   ("scaled_codes", None, tuple(self.shape))):  # None: any float dtype
+                                   ("gemm_operand", torch.bfloat16, tuple(self.shape))):
             part, device = getattr(self, name), getattr(self.codes, "device", None)
-            if (name != "scaled_codes" or part is not None) and (
-                    not isinstance(part, torch.Tensor) or part.dtype != (dtype or part.dtype) or part.device != device
-                    or not (dtype or part.is_floating_point()) or tuple(part.shape) != shape):
+            if (name != "gemm_operand" or part is not None) and (not isinstance(part, torch.Tensor) or
+                                                                 part.dtype != dtype or part.device != device
+                                                                 or part.shape != shape):
                 raise ValueError(f"NVFP4Tensor of shape {tuple(self.shape)} ({self.block}): {name} must be "
-                                 f"{dtype or 'floating-point'} {shape} on {device}, got "
+                                 f"{dtype} {shape} on {device}, got "
                                  f"{getattr(part, 'dtype', type(part).__name__)} {tuple(getattr(part, 'shape', ()))}")
 
     def element_scales(self):
@@ -220,11 +222,11 @@ class NVFP4Tensor:
             raise ValueError("only a 2-D tensor quantized in 16x16 tiles can be transposed without re-quantizing")
         rows, cols = self.shape
         codes = pack_codes(unpack_codes(self.codes).t().contiguous())
-        scaled = None if self.scaled_codes is None else self.scaled_codes.t()
+        operand = None if self.gemm_operand is None else self.gemm_operand.t()
         return NVFP4Tensor(codes, self.group_scale.t().contiguous(), self.tensor_scale, torch.Size((cols, rows)),
-                           self.block, scaled)
+                           self.block, operand)
 
-    def packed(self):
+    def compact(self):
         """The same tensor without the BF16 cache: what is worth keeping in memory (about 0.56 bytes/element)."""
         return NVFP4Tensor(self.codes, self.group_scale, self.tensor_scale, self.shape, self.block)
 

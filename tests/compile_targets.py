@@ -3,10 +3,10 @@
     python tests/compile_targets.py OUT.json 90 100 120      # sm_90 (Hopper), sm_100 and sm_120 (Blackwell)
 
 It imports kernels.py without Triton's interpreter, records every kernel launch of the linear layers' forward +
-backward (every recipe, BF16 and FP32, with each target's launch shapes; recorded, not run) and compiles each with
-Triton for each target, through a stand-in for Triton's GPU driver that names the target, with the launch's own
-grid, constants, warps and register cap. ptxas reports MS-EDEN phase one's registers and spills; the table and
-OUT.json list every build, with the provenance (tests/test_targets.py checks them)."""
+backward (every recipe, in BF16 as training autocasts it, with each target's launch shapes; recorded, not run) and
+compiles each with Triton for each target, through a stand-in for Triton's GPU driver that names the target, with
+the launch's own grid, constants, warps and register cap. ptxas reports MS-EDEN phase one's registers and spills;
+the table and OUT.json list every build, with the provenance (tests/test_targets.py checks them)."""
 
 import json
 import os
@@ -25,7 +25,7 @@ TARGETS = {90: (132, 228 * 1024, 227 * 1024), 100: (148, 228 * 1024, 227 * 1024)
 
 
 def record_launches(arch):
-    """Every distinct kernel launch of the linear layers' forward + backward in every recipe, BF16 and FP32, as the
+    """Every distinct kernel launch of the linear layers' forward + backward in every recipe, in BF16, as the
     launchers would make them on `arch` (a native NVFP4 GEMM from sm_100 on, whose quantizers skip the BF16
     operand; its refusal by cuBLASLt falls back to the dequantization kernel). Returns [(kernel, grid, args, meta)]."""
     from triton.runtime.jit import JITFunction
@@ -33,7 +33,7 @@ def record_launches(arch):
     import model
     multiprocessors, shared, _ = TARGETS[arch]
     kernels._on_gpu = lambda t: True  # the operators take the kernels' path for CPU tensors,
-    kernels.check_kernel_device = lambda t, what: None  # the launchers accept them,
+    kernels.check_input = lambda *args, **kwargs: None  # the launchers accept them,
     kernels._gpu = lambda device: (multiprocessors, shared)  # and size their launches for the target
     kernels.native_fp4_available = lambda device: arch >= 100
     torch.nn.functional.scaled_mm = lambda **arguments: (_ for _ in ()).throw(RuntimeError("no GPU here"))
@@ -46,15 +46,14 @@ def record_launches(arch):
             seen.add(key)
             launches.append((kernel, grid, args, meta))
     JITFunction.run = record
-    for dtype in (torch.bfloat16, torch.float32):
-        for recipe in model.RECIPES:
-            x = torch.randn(256, 256, dtype=dtype, requires_grad=True)
-            w = torch.randn(384, 256, dtype=dtype, requires_grad=True)
-            model.RecipeLinear.apply(x, w, recipe).backward(torch.randn(256, 384, dtype=dtype))
-        # MS-EDEN phase one loops over a number of tiles fixed at compile time: a d12 micro-batch's too
-        e = torch.randn(32768, 768, dtype=dtype)
-        kernels.eden_phase1(e, torch.ones(128))
-        kernels.eden_phase1_requantize(kernels.triton_quantize(e, scaled_codes=False), torch.ones(128))
+    for recipe in model.RECIPES:
+        x = torch.randn(256, 256, dtype=torch.bfloat16, requires_grad=True)
+        w = torch.randn(384, 256, dtype=torch.bfloat16, requires_grad=True)
+        model.RecipeLinear.apply(x, w, recipe).backward(torch.randn(256, 384, dtype=torch.bfloat16))
+    # MS-EDEN phase one loops over a number of tiles fixed at compile time: a d12 micro-batch's too
+    e = torch.randn(32768, 768, dtype=torch.bfloat16)
+    kernels.eden_phase1(e, torch.ones(128))
+    kernels.eden_phase1_requantize(kernels.triton_quantize(e, gemm_operand=False), torch.ones(128))
     return launches
 
 
@@ -100,9 +99,10 @@ def compile_for(arch):
         try:
             compiled = run(kernel, *args, grid=grid, warmup=True, **meta)
             row["shared"] = compiled.metadata.shared
-            if kernel.__name__ == "_eden_kernel":  # its persistent programs share a multiprocessor: their resources
-                row.update(ptxas_resources(compiled, arch))
-                row["programs_per_multiprocessor"] = kernels.eden_launch(torch.device("cuda"), meta["DOT_FP32"])[3]
+            if kernel.__name__ == "_eden_phase1_kernel":  # its persistent programs share a multiprocessor: their
+                row.update(ptxas_resources(compiled, arch))  # resources, and how many of them (kernels.EDEN_LAUNCH)
+                size = "small" if TARGETS[arch][1] < kernels.SMALL_SHARED_MEMORY else "large"
+                row["programs_per_multiprocessor"] = kernels.EDEN_LAUNCH[size].programs_per_multiprocessor
         except Exception as error:  # a compiler crash is the finding
             row["error"] = f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         rows.append(row)

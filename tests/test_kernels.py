@@ -5,6 +5,9 @@ with one they run on it, at these shapes and at large ones. References always ru
 arithmetic is plain IEEE."""
 
 import itertools
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -20,6 +23,8 @@ from quantize import (E2M1_VALUES, SR_FP4_MAX, NVFP4Tensor, decode_e2m1, e2m1_ro
 
 GPU = torch.cuda.is_available()
 DEVICE = "cuda" if GPU else "cpu"  # on the CPU the kernels run interpreted (tests/conftest.py)
+FLOAT = torch.bfloat16 if GPU else torch.float32  # the widest input the kernels take: FP32 only in the interpreter
+DTYPES = sorted({torch.bfloat16, FLOAT}, key=str)
 QUANTIZE_SHAPES = [(48, 128), (192, 384), (320, 640)]  # rows: multiples of 16, columns: of 128
 EDEN_SHAPES = [(128, 128), (128, 384), (384, 256)]
 
@@ -34,14 +39,14 @@ def varied(rows, cols, dtype=torch.bfloat16, seed=0):
 
 def cpu(q):
     return NVFP4Tensor(q.codes.cpu(), q.group_scale.cpu(), q.tensor_scale.cpu(), q.shape, q.block,
-                       None if q.scaled_codes is None else q.scaled_codes.cpu())
+                       None if q.gemm_operand is None else q.gemm_operand.cpu())
 
 
 def assert_same_quantization(ours, reference):
     assert torch.equal(ours.codes, reference.codes)
     assert torch.equal(ours.group_scale.view(torch.uint8), reference.group_scale.view(torch.uint8))
     assert torch.equal(ours.tensor_scale, reference.tensor_scale)
-    assert torch.equal(ours.scaled_codes.float(), reference.dequantize(tensor_scale=False))
+    assert torch.equal(ours.gemm_operand.float(), reference.dequantize(tensor_scale=False))
 
 
 # --- round to nearest: bit-identical ---------------------------------------------------------------------------------
@@ -49,7 +54,7 @@ def assert_same_quantization(ours, reference):
 @pytest.mark.parametrize("shape", QUANTIZE_SHAPES)
 @pytest.mark.parametrize("options", [dict(), dict(four_over_six=True), dict(block="16x16"),
                                      dict(block="16x16", four_over_six=True)])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_rtn_kernel_is_bit_identical(shape, options, dtype):
     x = varied(*shape, dtype)
     assert_same_quantization(cpu(kernels.triton_quantize(x, **options)), quantize_nvfp4(x.cpu(), **options))
@@ -94,7 +99,7 @@ def test_rtn_kernel_is_bit_identical_at_scale(options):
 @triton.jit
 def _noise_kernel(seed_ptr, out_ptr, COUNT: tl.constexpr):
     first = tl.program_id(0) * COUNT
-    tl.store(out_ptr + first + tl.arange(0, COUNT), kernels._uniform_noise(tl.load(seed_ptr), first, COUNT))
+    tl.store(out_ptr + first + tl.arange(0, COUNT), kernels._sr_noise(tl.load(seed_ptr), first, COUNT))
 
 
 def test_sr_noise_kernel_draws_on_the_reference_lattice():
@@ -135,12 +140,12 @@ def test_sr_kernel_scales_exact_and_codes_on_neighbours(shape):
 
 
 def kernel_sr(x, generator):
-    return kernels.triton_quantize(x.to(DEVICE), rounding="sr", fp4_max=6 * 16 / 17).dequantize().cpu()
+    return kernels.triton_quantize(x.to(DEVICE, FLOAT), rounding="sr", fp4_max=6 * 16 / 17).dequantize().cpu()
 
 
 def kernel_ms_eden(x, generator):
     signs = random_signs(generator=generator)
-    rows, _ = kernels.triton_ms_eden_pair(x.to(DEVICE), signs.to(DEVICE))
+    rows, _ = kernels.triton_ms_eden_pair(x.to(DEVICE, FLOAT), signs.to(DEVICE))
     return inverse_rht(rows.dequantize().cpu(), signs)
 
 
@@ -148,7 +153,7 @@ def kernel_ms_eden(x, generator):
 @pytest.mark.parametrize("quantizer,name", [(kernel_sr, "SR (fp4_max 6*16/17)"), (kernel_ms_eden, "MS-EDEN")])
 def test_random_kernels_match_reference_error_and_are_unbiased(quantizer, name):
     g = torch.Generator().manual_seed(1)
-    x = torch.randn(128, 256, generator=g)  # 2048 groups: each kernel call runs ~2 s in the interpreter
+    x = torch.randn(128, 256, generator=g).to(FLOAT).float()  # 2048 groups, ~2 s a kernel call interpreted
     reference_quantizer, _ = bench.QUANTIZERS[name]
     draws = 8
     ours = torch.tensor([bench.relative_error(quantizer(x, g), x) for _ in range(draws)])
@@ -170,7 +175,7 @@ def test_random_kernels_match_reference_error_and_are_unbiased(quantizer, name):
 @pytest.mark.parametrize("quantizer,name", [(kernel_sr, "SR (fp4_max 6*16/17)"), (kernel_ms_eden, "MS-EDEN")])
 def test_random_kernels_error_within_one_percent_at_scale(quantizer, name):
     g = torch.Generator().manual_seed(2)
-    x = torch.randn(4096, 4096, generator=g)
+    x = torch.randn(4096, 4096, generator=g).bfloat16().float()
     reference_quantizer, _ = bench.QUANTIZERS[name]
     ours, theirs = bench.relative_error(quantizer(x, g), x), bench.relative_error(reference_quantizer(x, g), x)
     assert abs(ours / theirs - 1) < 0.01
@@ -221,7 +226,7 @@ def assert_phase1_matches(kernel_out, rotated):
 
 
 @pytest.mark.parametrize("shape", EDEN_SHAPES)
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_eden_phase1_matches_reference(shape, dtype):
     x = varied(*shape, dtype, seed=3)
     signs = random_signs(generator=torch.Generator().manual_seed(3))
@@ -255,8 +260,8 @@ def test_eden_phase1_grid_covers_every_job(multiprocessors):
 @pytest.mark.parametrize("sub", [32, 128])
 def test_eden_phase1_jobs_of_any_height(sub, monkeypatch):
     # Phase one cuts each 128x128 tile into jobs of some rows (and columns); every height gives the same result.
-    monkeypatch.setattr(kernels, "EDEN_LAUNCH", {kind: {size: (sub, *launch[1:]) for size, launch in sizes.items()}
-                                                 for kind, sizes in kernels.EDEN_LAUNCH.items()})
+    monkeypatch.setattr(kernels, "EDEN_LAUNCH", {size: launch._replace(job_rows=sub) for size, launch in
+                                                 kernels.EDEN_LAUNCH.items()})
     x = varied(384, 256, seed=13)
     signs = random_signs(generator=torch.Generator().manual_seed(13))
     rows, cols = kernels.eden_phase1(x, signs.to(DEVICE))
@@ -278,11 +283,28 @@ def test_eden_phase2_rounds_scales_stochastically_to_neighbours():
         q = cpu(kernels.eden_phase2((codes, corrected, amax)))
         scale = q.group_scale.float()
         assert ((scale == lower) | (scale == upper)).all() and torch.equal(q.tensor_scale, tensor_scale)
-        assert torch.equal(q.scaled_codes.float(), q.dequantize(tensor_scale=False))
+        assert torch.equal(q.gemm_operand.float(), q.dequantize(tensor_scale=False))
         draws.append(scale)
     mean = torch.stack(draws).mean(0)  # unbiased: within 5 standard errors of the target (std <= step / 2)
     assert ((mean - target).abs() <= 5 * (upper - lower) / 2 / 200 ** 0.5 + 1e-12).all()
     assert not torch.equal(draws[0], draws[1])  # fresh randomness on every call
+
+
+def test_eden_pair_draws_apart_for_x_and_its_transpose_and_repeats_after_manual_seed():
+    # x symmetric: x and x^T give the same phase one, so only the draws of phase two tell the two outputs apart. They
+    # must differ (E and E^T of one backward take disjoint Philox numbers), and repeat after torch.manual_seed.
+    a = varied(128, 128, seed=17)
+    x = (a + a.t()).contiguous()
+    signs = random_signs(generator=torch.Generator().manual_seed(17)).to(DEVICE)
+    rows, cols = kernels.eden_phase1(x, signs)
+    assert torch.equal(rows.corrected, cols.corrected) and torch.equal(rows.codes, cols.codes)
+    torch.manual_seed(0)
+    first = kernels.triton_ms_eden_pair(x, signs)
+    assert not torch.equal(first[0].group_scale.view(torch.uint8), first[1].group_scale.view(torch.uint8))
+    torch.manual_seed(0)
+    again = kernels.triton_ms_eden_pair(x, signs)
+    assert all(torch.equal(a.group_scale.view(torch.uint8), b.group_scale.view(torch.uint8))
+               for a, b in zip(first, again))
 
 
 @pytest.mark.gpu
@@ -309,7 +331,7 @@ def test_dequantize_kernel(block, dtype):
 
 @pytest.mark.parametrize("options", [dict(), dict(four_over_six=True), dict(rounding="sr"), dict(block="16x16")])
 def test_kernels_on_zeros_and_nan(options):
-    zeros = torch.zeros(64, 128, device=DEVICE)
+    zeros = torch.zeros(64, 128, device=DEVICE, dtype=torch.bfloat16)
     assert (kernels.triton_quantize(zeros, **options).dequantize() == 0).all()
     x = varied(64, 128)
     x[3, 100] = float("nan")
@@ -318,7 +340,7 @@ def test_kernels_on_zeros_and_nan(options):
 
 def test_eden_kernels_on_zeros_and_nan():
     signs = random_signs(device=DEVICE)
-    for out in kernels.triton_ms_eden_pair(torch.zeros(128, 256, device=DEVICE), signs):
+    for out in kernels.triton_ms_eden_pair(torch.zeros(128, 256, device=DEVICE, dtype=torch.bfloat16), signs):
         assert (out.dequantize() == 0).all()
     x = varied(128, 256)
     x[7, 9] = float("inf")
@@ -328,11 +350,19 @@ def test_eden_kernels_on_zeros_and_nan():
 
 def test_kernels_refuse_bad_shapes():
     with pytest.raises(ValueError, match=r"multiple of \[16, 128\]"):
-        kernels.triton_quantize(torch.zeros(64, 100, device=DEVICE))
+        kernels.triton_quantize(varied(64, 128)[:, :100])
     with pytest.raises(ValueError, match=r"multiple of \[16, 128\]"):
-        kernels.triton_quantize(torch.zeros(40, 128, device=DEVICE))
+        kernels.triton_quantize(varied(48, 128)[:40])
     with pytest.raises(ValueError, match=r"multiple of \[128, 128\]"):
-        kernels.triton_ms_eden_pair(torch.zeros(128, 192, device=DEVICE), random_signs(device=DEVICE))
+        kernels.triton_ms_eden_pair(varied(128, 256)[:, :192], random_signs(device=DEVICE))
+
+
+def test_on_a_gpu_the_kernels_take_bfloat16_only(monkeypatch):
+    monkeypatch.setattr(kernels, "KERNEL_DTYPES", (torch.bfloat16,))  # as on a GPU (the interpreter takes FP32 too)
+    x = varied(128, 128, torch.float32)
+    for call in (lambda: kernels.triton_quantize(x), lambda: kernels.eden_phase1(x, random_signs(device=DEVICE))):
+        with pytest.raises(ValueError, match=r"takes bfloat16 on a GPU \(train under autocast\).*got torch.float32"):
+            call()
 
 
 def test_emulated_gemm_equals_product_of_dequantized_operands():
@@ -344,7 +374,7 @@ def test_emulated_gemm_equals_product_of_dequantized_operands():
     out = kernels.nvfp4_mm(a, b, torch.float32).double()
     assert ((out - exact(a, b)).norm() / exact(a, b).norm()).item() < 1e-6
     # kernels with BF16 code * scale operands: one BF16 rounding of the scaled weight and of the output (2^-9 each)
-    a, b = kernels.triton_quantize(a_x.to(DEVICE)), kernels.triton_quantize(b_x.to(DEVICE), block="16x16")
+    a, b = (kernels.triton_quantize(t.to(DEVICE, FLOAT), block=block) for t, block in ((a_x, "1x16"), (b_x, "16x16")))
     for left, right in [(a, b), (a, b.t().t())]:
         out = kernels.nvfp4_mm(left, right).double().cpu()
         reference = exact(cpu(left), cpu(right))
@@ -356,18 +386,19 @@ def test_emulated_gemm_equals_product_of_dequantized_operands():
 def test_entry_points_refuse_bad_arguments():
     x = varied(64, 128)
     for bad, message in ((dict(block="16X16"), "block must be one of"), (dict(rounding="SR"), "rounding must be"),
-                         (dict(fp4_max=0.0), "fp4_max"), (dict(fp4_max=float("nan")), "fp4_max"),
-                         (dict(signs=random_signs(64, device=DEVICE)), "signs of length")):
+                         (dict(fp4_max=0.0), "fp4_max"), (dict(fp4_max=float("nan")), "fp4_max")):
         with pytest.raises(ValueError, match=message):
             kernels.triton_quantize(x, **bad)
         with pytest.raises(ValueError, match=message):
-            kernels.quantize_op(x.cpu(), **bad)  # the dispatch checks the same, on every device
+            kernels.quantize_op(x.cpu(), **bad)  # on a CPU the operator's reference refuses them too
+    with pytest.raises(ValueError, match="signs of length"):
+        kernels.triton_quantize(x, signs=random_signs(64, device=DEVICE))
     for tensor in (torch.ones(64, 128, dtype=torch.int32), torch.ones(64, 128, dtype=torch.bool)):
-        with pytest.raises(ValueError, match="bfloat16, float16 or float32"):
+        with pytest.raises(ValueError, match="takes bfloat16"):
             kernels.triton_quantize(tensor.to(DEVICE))
     with pytest.raises(ValueError, match="signs of length 128"):
         kernels.triton_ms_eden_pair(varied(128, 128), random_signs(16, device=DEVICE))
-    for empty in (torch.empty(0, 128, device=DEVICE), torch.tensor(1.0, device=DEVICE)):
+    for empty in (varied(16, 128)[:0], varied(16, 128)[0, 0]):
         with pytest.raises(ValueError, match="non-empty 2-D tensor"):
             kernels.triton_quantize(empty)
     with pytest.raises(ValueError, match=r"multiple of \[16, 128\]"):
@@ -381,7 +412,7 @@ def test_entry_points_refuse_bad_arguments():
 def test_kernels_at_the_ends_of_the_float32_range(largest, options):
     # Tiny tensors become zeros (quantize.py, section 6), huge ones quantize normally: never NaN from finite input.
     x = torch.randn(64, 128, generator=torch.Generator().manual_seed(10))
-    x = (x / x.abs().max() * largest).to(DEVICE)
+    x = (x / x.abs().max() * largest).to(DEVICE, FLOAT)
     ours = cpu(kernels.triton_quantize(x, **options))
     reference = quantize_nvfp4(x.cpu(), **options)
     assert torch.equal(ours.tensor_scale, reference.tensor_scale) and ours.dequantize().isfinite().all()
@@ -399,7 +430,7 @@ def test_ms_eden_kernels_at_the_ends_of_the_float32_range(largest):
     # rotation. The kernel tests for that after rotating (sums beyond 2^119): at 1e36 the test fires but nothing
     # needs saturating, at 2e36 a few inputs do, at 3e38 most do and the unsaturated sums overflow.
     x = torch.randn(128, 128, generator=torch.Generator().manual_seed(11))
-    x = (x / x.abs().max() * largest).to(DEVICE)
+    x = (x / x.abs().max() * largest).to(DEVICE, FLOAT)
     signs = random_signs(generator=torch.Generator().manual_seed(11))
     rows, cols = kernels.eden_phase1(x, signs.to(DEVICE))
     assert_phase1_matches(rows, rht(x.cpu(), signs))
@@ -413,7 +444,7 @@ def test_rotated_quantizer_saturates_huge_inputs(largest):
     # The rotated amax pass rotates first and tests afterwards (as MS-EDEN does): huge inputs must give the
     # reference's tensor scale (from saturated inputs), not an overflow.
     x = torch.randn(128, 256, generator=torch.Generator().manual_seed(14))
-    x = (x / x.abs().max() * largest).to(DEVICE)
+    x = (x / x.abs().max() * largest).to(DEVICE, FLOAT)
     signs = random_signs(16, generator=torch.Generator().manual_seed(14))
     ours = cpu(kernels.triton_quantize(x, transpose=True, signs=signs.to(DEVICE)))
     reference = quantize_nvfp4(rht(x.cpu().t(), signs))
@@ -427,7 +458,7 @@ def test_rotated_quantizer_saturates_huge_inputs(largest):
 def _nearest_kernel(x_ptr, magnitude_ptr, code_ptr, BLOCK: tl.constexpr, SATURATE: tl.constexpr):
     offsets = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offsets)
-    magnitude, code = kernels._e2m1_nearest(tl.minimum(tl.abs(x), 6.0) if SATURATE else x)
+    magnitude, code = kernels._e2m1_round(tl.minimum(tl.abs(x), 6.0) if SATURATE else x)
     tl.store(magnitude_ptr + offsets, magnitude)
     tl.store(code_ptr + offsets, code)
 
@@ -472,10 +503,11 @@ def test_seeds_signs_and_output_dtypes_are_checked():
                                                                                                device=DEVICE)), "seed"),
                           (lambda: kernels.triton_quantize(x, rounding="sr", seed=torch.tensor([1.5], device=DEVICE)),
                            "seed"),
-                          (lambda: kernels.triton_quantize(x, out_dtype=torch.int32), "writes bfloat16"),
-                          (lambda: kernels.quantize_op(x.cpu(), signs=torch.ones(16, device="meta")), "float signs"),
-                          (lambda: kernels.quantize_op(x.cpu(), signs=torch.ones(16, dtype=torch.bool)), "float signs"),
-                          (lambda: kernels.quantize_op(x.cpu(), out_dtype=torch.bool), "writes bfloat16"),
+                          (lambda: kernels.triton_dequantize(kernels.triton_quantize(x), torch.int32),
+                           "writes bfloat16"),
+                          (lambda: kernels.triton_quantize(x, signs=torch.ones(16, device="meta")), "float signs"),
+                          (lambda: kernels.triton_quantize(x, signs=torch.ones(16, dtype=torch.bool, device=DEVICE)),
+                           "float signs"),
                           (lambda: kernels.dequantize_op(x, torch.float32), "needs an NVFP4Tensor"),
                           (lambda: kernels.nvfp4_mm(quantize_nvfp4(torch.randn(16, 32)), x), "NVFP4Tensor")):
         with pytest.raises(ValueError, match=message):
@@ -483,3 +515,15 @@ def test_seeds_signs_and_output_dtypes_are_checked():
     q = quantize_nvfp4(torch.randn(32, 128))
     with pytest.raises(ValueError, match="writes bfloat16"):
         kernels.nvfp4_mm(q, q, torch.int32)
+
+
+@pytest.mark.slow
+def test_python_kernels_py_checks_every_kernel_against_its_reference():
+    # `python kernels.py` on a CPU: Triton's interpreter (the script sets TRITON_INTERPRET), one line per kernel
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"} | dict(CUDA_VISIBLE_DEVICES="")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    lines = subprocess.run([sys.executable, "kernels.py"], cwd=root, env=env, capture_output=True, text=True,
+                           check=True, timeout=600).stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["_amax_kernel", "_rotated_amax_kernel", "_quantize_kernel",
+                                                   "_eden_phase1_kernel", "_eden_phase2_kernel", "_dequantize_kernel"]
+    assert all(" matches its reference: " in line for line in lines), lines

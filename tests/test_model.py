@@ -239,12 +239,10 @@ def test_operators_pass_opcheck(case):
     signs, seed = random_signs(128, generator=g), torch.tensor([1234])
     q = kernels.quantize_op(x, four_over_six=True)
     args = dict(
-        quantize=(torch.ops.nanoquartet.quantize, (x, None, None, "rtn", True, "1x16", 6.0, False, torch.float32,
-                                                   True)),
+        quantize=(torch.ops.nanoquartet.quantize, (x, None, None, "rtn", True, "1x16", 6.0, False, True)),
         quantize_sr_rotated=(torch.ops.nanoquartet.quantize, (x, signs[:16], seed, "sr", False, "1x16", SR_FP4_MAX,
-                                                              True, torch.bfloat16, False)),
-        ms_eden_pair=(torch.ops.nanoquartet.ms_eden_pair, (x, signs, seed, torch.float32, True)),
+                                                              True, False)),
+        ms_eden_pair=(torch.ops.nanoquartet.ms_eden_pair, (x, signs, seed, True)),
         requantize_ms_eden=(torch.ops.nanoquartet.requantize_ms_eden, (q.codes, q.group_scale.view(torch.uint8),
-                                                                       q.tensor_scale, signs,
-                                                                       seed, torch.float32, False)))[case]
+                                                                       q.tensor_scale, signs, seed, False)))[case]
     torch.library.opcheck(*args)

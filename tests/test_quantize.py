@@ -1,5 +1,7 @@
 """The NVFP4 format (quantize.py): rounding helpers, codes, the quantizer's error levels and edge cases."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -270,10 +272,19 @@ def test_an_nvfp4_tensor_refuses_parts_that_do_not_fit():
     for change in (dict(block="16X16"), dict(shape=torch.Size((32, 128))), dict(codes=q.codes.float()),
                    dict(group_scale=q.group_scale.view(torch.uint8)), dict(tensor_scale=torch.ones(2)),
                    dict(codes=q.codes[:, :16]), dict(group_scale=q.group_scale[:16]),
-                   dict(scaled_codes=torch.zeros(32, 32)), dict(block="16x16"), dict(shape=torch.Size((32, 8))),
-                   dict(tensor_scale=q.tensor_scale.reshape(1, 1)), dict(scaled_codes=torch.zeros(32, 64).long())):
+                   dict(gemm_operand=torch.zeros(32, 32)), dict(block="16x16"), dict(shape=torch.Size((32, 8))),
+                   dict(tensor_scale=q.tensor_scale.reshape(1, 1)), dict(gemm_operand=torch.zeros(32, 64))):
         with pytest.raises(ValueError, match="NVFP4Tensor"):
             NVFP4Tensor(**(parts | change))
+
+
+def test_an_nvfp4_tensor_cannot_change_after_it_was_checked():
+    # A kernel trusts the parts it was built from (triton_dequantize would read past a group_scale made smaller)
+    q = quantize_nvfp4(torch.randn(32, 64))
+    for name, value in (("shape", torch.Size((64, 64))), ("block", "16x16"), ("group_scale", q.group_scale[:16]),
+                        ("gemm_operand", torch.zeros(32, 64, dtype=torch.bfloat16))):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(q, name, value)
 
 
 def test_the_quantizers_give_no_gradient():

@@ -36,7 +36,7 @@ def test_every_kernel_variant_compiles_for_hopper_and_blackwell(builds):
     assert not failed, failed
     for arch in TARGETS:  # the same launches everywhere, but on Blackwell without the BF16 operand, plus its fallback
         kernels_built = {r["kernel"] for r in builds if r["arch"] == arch}
-        assert {"_quantize_kernel", "_eden_kernel", "_eden_finish_kernel", "_amax_kernel",
+        assert {"_quantize_kernel", "_eden_phase1_kernel", "_eden_phase2_kernel", "_amax_kernel",
                 "_rotated_amax_kernel"} <= kernels_built, (arch, kernels_built)
     assert any(r["kernel"] == "_dequantize_kernel" for r in builds if r["arch"] == 120)  # the emulated fallback
 
@@ -49,14 +49,13 @@ def test_every_build_fits_its_target(builds):
     for r in builds:
         _, shared_per_multiprocessor, shared_per_program = TARGETS[r["arch"]]
         assert r["shared"] <= shared_per_program, r
-        if r["kernel"] == "_eden_kernel":
+        if r["kernel"] == "_eden_phase1_kernel":
             programs = r["programs_per_multiprocessor"]
             assert r["registers"] <= r["register_cap"], r
             assert programs * r["shared"] <= shared_per_multiprocessor, r
             assert programs * r["meta"]["num_warps"] * 32 * r["register_cap"] <= REGISTERS_PER_MULTIPROCESSOR, r
-    # sm_120's launch shapes were chosen from these builds: its MS-EDEN phase one must not spill (the BF16 rotation
-    # of training; an FP32 rotation runs on FMA units and spills on every target)
-    phase_one = [r for r in builds if r["arch"] == 120 and r["kernel"] == "_eden_kernel" and not r["meta"]["DOT_FP32"]]
+    # sm_120's launch shapes were chosen from these builds: its MS-EDEN phase one must not spill
+    phase_one = [r for r in builds if r["arch"] == 120 and r["kernel"] == "_eden_phase1_kernel"]
     assert phase_one and all(r["spill_stores"] == 0 for r in phase_one), phase_one
 
 
@@ -147,7 +146,7 @@ def test_on_blackwell_the_quantizers_skip_the_bf16_operand_and_the_native_gemm_r
     e = torch.randn(256, 128, generator=torch.Generator().manual_seed(16))
     signs = eden.random_signs(generator=torch.Generator().manual_seed(16))
     made = [a, w, *kernels.ms_eden_pair_op(e, signs), kernels.requantize_ms_eden_op(a, signs)]
-    assert all(q.scaled_codes is None for q in made)  # ~2 of a quantization's ~6.6 bytes per element, not written
+    assert all(q.gemm_operand is None for q in made)  # ~2 of a quantization's ~6.6 bytes per element, not written
     calls = []
     monkeypatch.setattr(torch.nn.functional, "scaled_mm", simulated_native_gemm(calls))
     for right in (w, w.t().t()):  # a 16x16 operand, also through its exact transpose
