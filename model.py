@@ -151,7 +151,7 @@ def recipe_names(text):
 def saved(t, requantizer):
     """What the backward keeps of a forward operand: of an NVFP4Tensor it re-quantizes, the packed form only (0.56
     bytes per element); one it uses as it is keeps its values (code * group scale) too."""
-    return t.compact() if isinstance(t, NVFP4Tensor) and requantizer is not None else t
+    return replace(t, gemm_operand=None) if isinstance(t, NVFP4Tensor) and requantizer is not None else t
 
 
 def quantize_operand(t, q, signs, transpose=False):

@@ -64,7 +64,8 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
    FP32's smallest normal number). A tensor whose absolute maximum is below MIN_TENSOR_SCALE * fp8_max * fp4_max
    (about 2^-106 = 1e-32 for RTN) gets the tensor scale 1 and quantizes to zeros, as an all-zero tensor does.
 
-Reading order below: rounding to a small float grid, codes and packing, the NVFP4Tensor container, the quantizer.
+Reading order below: rounding to a small float grid, codes and packing, the NVFP4Tensor container, the quantizer,
+and a worked example that runs as `python quantize.py`.
 """
 
 from dataclasses import dataclass
@@ -194,26 +195,21 @@ class NVFP4Tensor:
                                    ("group_scale", torch.float8_e4m3fn, (*tiles, cols // GROUP)),
                                    ("gemm_operand", torch.bfloat16, tuple(self.shape))):
             part, device = getattr(self, name), getattr(self.codes, "device", None)
-            if (name != "gemm_operand" or part is not None) and (not isinstance(part, torch.Tensor) or
-                                                                 part.dtype != dtype or part.device != device
-                                                                 or part.shape != shape):
-                raise ValueError(f"NVFP4Tensor of shape {tuple(self.shape)} ({self.block}): {name} must be "
-                                 f"{dtype} {shape} on {device}, got "
-                                 f"{getattr(part, 'dtype', type(part).__name__)} {tuple(getattr(part, 'shape', ()))}")
+            fits = isinstance(part, torch.Tensor) and (part.dtype, part.device, part.shape) == (dtype, device, shape)
+            if not fits and (name != "gemm_operand" or part is not None):
+                raise ValueError(f"NVFP4Tensor of shape {tuple(self.shape)} ({self.block}): {name} must be {dtype} "
+                                 f"{shape} on {device}, got {getattr(part, 'dtype', type(part).__name__)} "
+                                 f"{tuple(getattr(part, 'shape', ()))}")
 
     def element_scales(self):
         """group_scale expanded to one float32 per element: [..., R, C]."""
-        scales = self.group_scale.float()
-        if self.block == "16x16":
-            scales = scales.repeat_interleave(GROUP, dim=-2)
+        scales = self.group_scale.float().repeat_interleave(GROUP if self.block == "16x16" else 1, dim=-2)
         return scales.repeat_interleave(GROUP, dim=-1)
 
     def dequantize(self, dtype=torch.float32, tensor_scale=True):
         """code * group_scale * tensor_scale (the last factor left out if tensor_scale=False)."""
         values = decode_e2m1(unpack_codes(self.codes)) * self.element_scales()
-        if tensor_scale:
-            values = values * self.tensor_scale
-        return values.to(dtype)
+        return (values * self.tensor_scale if tensor_scale else values).to(dtype)
 
     def t(self):
         """The transpose of a 2-D tensor quantized in 16x16 tiles. A tile's scale serves both orientations, so this
@@ -226,10 +222,6 @@ class NVFP4Tensor:
         return NVFP4Tensor(codes, self.group_scale.t().contiguous(), self.tensor_scale, torch.Size((cols, rows)),
                            self.block, operand)
 
-    def compact(self):
-        """The same tensor without the BF16 cache: what is worth keeping in memory (about 0.56 bytes/element)."""
-        return NVFP4Tensor(self.codes, self.group_scale, self.tensor_scale, self.shape, self.block)
-
 
 # -----------------------------------------------------------------------------
 # The quantizer
@@ -237,18 +229,12 @@ class NVFP4Tensor:
 
 def check_quantizable(x, multiple, dims=1, what="quantize_nvfp4"):
     """A ValueError unless x is a non-empty float tensor with data, its last `dims` sizes multiples of `multiple`."""
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        kind = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise ValueError(f"{what} needs a floating-point tensor (float32, bfloat16 or float16), got {kind}")
-    if x.is_meta:
-        raise ValueError(f"{what} needs a tensor with data, got a meta tensor")
-    if x.dim() < dims or x.numel() == 0:
-        raise ValueError(f"{what} needs a non-empty tensor with at least {dims} dimension(s), got shape "
-                         f"{tuple(x.shape)}")
-    for size in x.shape[x.dim() - dims:]:
-        if size % multiple:
-            which = "last dimension" if dims == 1 else f"last {dims} dimensions"
-            raise ValueError(f"{what} needs the {which} to be multiples of {multiple}, got shape {tuple(x.shape)}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.is_meta:
+        kind = "a meta tensor" if getattr(x, "is_meta", False) else getattr(x, "dtype", type(x).__name__)
+        raise ValueError(f"{what} needs a floating-point tensor with data (float32, bfloat16 or float16), got {kind}")
+    if x.dim() < dims or x.numel() == 0 or any(size % multiple for size in x.shape[x.dim() - dims:]):
+        raise ValueError(f"{what} needs a non-empty tensor with at least {dims} dimension(s), the last {dims} "
+                         f"dimension(s) to be multiples of {multiple}, got shape {tuple(x.shape)}")
 
 
 def check_quantizer(rounding, block, fp4_max, fp8_max, four_over_six):
@@ -263,7 +249,7 @@ def check_quantizer(rounding, block, fp4_max, fp8_max, four_over_six):
         raise ValueError(f"fp8_max={fp8_max} leaves no room in E4M3 (1 ... 448) for the scales it implies")
 
 
-def check_generator(generator):
+def check_generator(generator):  # a clear error, where torch's own comes from deep inside a random draw
     if generator is not None and not isinstance(generator, torch.Generator):
         raise ValueError(f"generator must be a torch.Generator or None, got {type(generator).__name__}")
 
@@ -281,19 +267,18 @@ def tensor_scale_for(largest, limit):
 
 
 def to_groups(x, block):
-    """[..., R, C] -> [..., R, C/16, 16] (1x16) or [..., R/16, C/16, 256] (16x16 tiles)."""
+    """[..., R, C] -> [..., R, C/16, 16] (1x16) or [..., R/16, C/16, 256] (16x16 tiles, through [..., R/16, 16, C/16,
+    16])."""
     if block == "1x16":
         return x.unflatten(-1, (-1, GROUP))
-    tiles = x.unflatten(-1, (-1, GROUP)).unflatten(-3, (-1, GROUP))  # [..., R/16, 16, C/16, 16]
-    return tiles.transpose(-3, -2).flatten(-2)
+    return x.unflatten(-1, (-1, GROUP)).unflatten(-3, (-1, GROUP)).transpose(-3, -2).flatten(-2)
 
 
 def from_groups(groups, block):
     """Inverse of to_groups."""
     if block == "1x16":
         return groups.flatten(-2)
-    tiles = groups.unflatten(-1, (GROUP, GROUP)).transpose(-3, -2)  # [..., R/16, 16, C/16, 16]
-    return tiles.flatten(-2).flatten(-3, -2)
+    return groups.unflatten(-1, (GROUP, GROUP)).transpose(-3, -2).flatten(-2).flatten(-3, -2)
 
 
 def _quantize_groups(groups, group_amax, fp4_max, tensor_scale, noise):
@@ -342,29 +327,25 @@ def quantize_nvfp4(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max
 # See it work: python quantize.py
 
 
-def relative_error(estimate, x):
-    """||estimate - x||^2 / ||x||^2, in FP64: the paper's Table 1 measure."""
+def relative_error(estimate, x):  # ||estimate - x||^2 / ||x||^2 in FP64: the paper's Table 1 measure
     return ((estimate.double() - x.double()).square().sum() / x.double().square().sum()).item()
 
 
 def worked_example(x):
     """Section 3 by hand on the first group of x [R, C], printed step by step; returns what quantize_nvfp4 stores for
     it (the tests check they are the same): tensor_scale, group_scale, codes, dequantized values."""
-    row = lambda name, t, f="6.2f": print(f"  {name:<18}" + "".join(f"{v:{f}}" for v in t.tolist()))
     tensor_scale = tensor_scale_for(x.abs().amax(), E4M3_MAX * E2M1_MAX)
     group = x[0, :GROUP].float()
     unrounded = group.abs().amax() * (1 / (E2M1_MAX * tensor_scale))
     group_scale = e4m3_round(unrounded)
-    values = e2m1_round(group * (1 / (group_scale * tensor_scale)))
-    codes, dequantized = encode_e2m1(values), values * group_scale * tensor_scale
+    scaled = group * (1 / (group_scale * tensor_scale))
+    codes, dequantized = encode_e2m1(e2m1_round(scaled)), e2m1_round(scaled) * group_scale * tensor_scale
     print(f"NVFP4 step by step on the first 16 values of a {x.shape[0]} x {x.shape[1]} N(0, 1) tensor x:\n"
           f"  tensor scale ts = amax(|x|) / (448 * 6) = {x.abs().max():.3f} / 2688 = {tensor_scale:.4g} (FP32)\n"
           f"  group scale gs = E4M3(amax(|group|) / (6 * ts)) = E4M3({unrounded:.2f}) = {group_scale:g} (8 bits)")
-    row("x", group)
-    row("x / (gs * ts)", group * (1 / (group_scale * tensor_scale)))
-    row("nearest E2M1", values)
-    row("4-bit code", codes, "6d")
-    row("code * gs * ts", dequantized)
+    for name, t in (("x", group), ("x / (gs * ts)", scaled), ("nearest E2M1", e2m1_round(scaled)),
+                    ("4-bit code", codes.float()), ("code * gs * ts", dequantized)):
+        print(f"  {name:<18}" + "".join(f"{v:6.0f}" if name == "4-bit code" else f"{v:6.2f}" for v in t.tolist()))
     print(f"  relative error ||x - q(x)||^2 / ||x||^2 of this group: {relative_error(dequantized, group):.4f}")
     return tensor_scale, group_scale, codes, dequantized
 
@@ -376,9 +357,8 @@ def compare_roundings(x, draws=64, generator=None):
     print(f"Relative error x 1e-3 on a {x.shape[0]} x {x.shape[1]} N(0, 1) tensor: once, the mean of {draws} times")
     for name, options in (("round to nearest", {}), ("four-over-six", dict(four_over_six=True)),
                           ("stochastic rounding", dict(rounding="sr", fp4_max=SR_FP4_MAX))):
-        quantize = lambda: quantize_nvfp4(x, generator=generator, **options).dequantize(torch.float64)
-        errors[name] = one, mean = relative_error(quantize(), x), relative_error(sum(
-            quantize() for _ in range(draws)) / draws, x)
+        estimates = [quantize_nvfp4(x, generator=generator, **options).dequantize(torch.float64) for _ in range(draws)]
+        errors[name] = one, mean = relative_error(estimates[0], x), relative_error(sum(estimates) / draws, x)
         print(f"  {name:<20}{1e3 * one:7.2f}{1e3 * mean:7.2f}  " + ("unbiased: its noise averages out" if mean < one / 2
                                                                     else "deterministic: its error is all bias"))
     return errors

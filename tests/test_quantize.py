@@ -246,7 +246,7 @@ def test_batched_input_quantizes_along_the_last_dimension():
 
 @pytest.mark.parametrize("x,options,message", [
     (torch.randn(4, 40), {}, "multiples of 16"),
-    (torch.randn(40, 32), dict(block="16x16"), "last 2 dimensions to be multiples of 16"),
+    (torch.randn(40, 32), dict(block="16x16"), r"the last 2 dimension\(s\) to be multiples of 16"),
     (torch.randn(32), dict(block="16x16"), "at least 2 dimension"),
     (torch.tensor(1.0), {}, "at least 1 dimension"),
     (torch.ones(4, 16, dtype=torch.int32), {}, "floating-point"),
