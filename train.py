@@ -111,26 +111,22 @@ def local_files(data_dir, split):
 def local_texts(split, data_dir=DATA_DIR):
     """The bundled sample's texts (gzipped JSON lines with a "text" string)."""
     texts, files = [], local_files(data_dir, split)
-    if not files:
-        raise TrainingError(f"no {split} data in {data_dir} (the sample ships in data/; or use --data hf)")
     for name in files:
         try:
             with gzip.open(name, "rt", encoding="utf-8") as f:
                 texts += [json.loads(line)["text"] for line in f if line.strip()]
-            if not all(isinstance(text, str) for text in texts):
-                raise ValueError("a \"text\" that is not a string")
-        except (OSError, EOFError, ValueError, KeyError, TypeError) as error:
+            assert all(isinstance(text, str) for text in texts), "a \"text\" that is not a string"
+        except (OSError, EOFError, ValueError, KeyError, TypeError, AssertionError) as error:
             raise TrainingError(f"{name} is not gzipped JSON lines with a \"text\" string ({type(error).__name__}: "
                                 f"{error}); restore it from the repository") from None
-    if not texts:
-        raise TrainingError(f"the {split} files in {data_dir} hold no documents")
+    if not texts:  # no files, or empty ones
+        raise TrainingError(f"no {split} documents in {data_dir} (the sample ships in data/; or use --data hf)")
     return texts
 
 
 def streamed_texts(path, name=None, data_files=None, order=None):
-    """Texts streamed through Hugging Face `datasets` (a hub dataset, or local files with path="json"), in the files'
-    order; with order = (skip, seed, start), those after the first `skip` shuffled with the seed (the files' order,
-    then through a buffer of 10,000 documents), from the `start`-th on."""
+    """Texts streamed through Hugging Face `datasets` (a hub dataset, or local files with path="json"); with order =
+    (skip, seed, start), those after the first `skip`, shuffled with the seed through a buffer, from the start-th on."""
     try:
         import datasets
     except ImportError:
@@ -149,9 +145,8 @@ def streamed_texts(path, name=None, data_files=None, order=None):
 
 
 def data_sources(args, tokenizer):
-    """(training documents(epoch, start): an epoch's token arrays in the epoch's order, from its `start`-th on;
-    validation token arrays; the data's fingerprint): the bundled sample with the SHA-256 of its files, or the stream,
-    whose first --val-docs documents are the validation split."""
+    """(documents(epoch, start): an epoch's token arrays from its start-th on, validation token arrays, fingerprint):
+    the bundled sample and its files' SHA-256, or the stream, whose first --val-docs documents are the validation."""
     if args.data == "local":
         digest, train, val = hashlib.sha256(), local_texts("train", args.data_dir), local_texts("val", args.data_dir)
         for name in local_files(args.data_dir, "train") + local_files(args.data_dir, "val"):
@@ -167,10 +162,6 @@ def data_sources(args, tokenizer):
     return epoch_stream, tokenize(tokenizer, validation), None  # a stream is named by its flags
 
 
-def epoch_seed(seed, epoch):  # the seed of an epoch's order: another for every epoch and every --seed
-    return seed * 1000003 + epoch
-
-
 def shuffled_epochs(documents, seed):
     """documents(epoch, start) over a fixed list, in a new order each epoch (reproducible from the seed)."""
     def epoch_documents(epoch, start):
@@ -178,6 +169,10 @@ def shuffled_epochs(documents, seed):
         random.Random(epoch_seed(seed, epoch)).shuffle(order)
         return (documents[i] for i in order[start:])
     return epoch_documents
+
+
+def epoch_seed(seed, epoch):  # the seed of an epoch's order: another for every epoch and every --seed
+    return seed * 1000003 + epoch
 
 
 class Windows:
@@ -220,9 +215,8 @@ def validation_windows(documents, seq_len, count, multiple=1, bytes_per_token=No
     tokens = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)
     count = min(count, len(tokens) // (seq_len + 1)) // multiple * multiple
     if count == 0:
-        raise TrainingError(f"the validation split must hold at least {multiple} window(s) of seq_len + 1 = "
-                            f"{seq_len + 1} tokens (--eval-tokens {multiple * seq_len} or more, or a smaller "
-                            f"--device-batch)")
+        raise TrainingError(f"the validation split holds no {multiple} window(s) of {seq_len + 1} tokens: raise "
+                            f"--eval-tokens to {multiple * seq_len}, or lower --device-batch")
     windows = torch.from_numpy(tokens[:count * (seq_len + 1)].astype(np.int64)).view(count, seq_len + 1)
     if bytes_per_token is not None and bytes_per_token[windows[:, 1:]].sum() == 0:
         raise TrainingError("the validation documents hold no text, only end-of-text tokens")
@@ -265,11 +259,11 @@ class Processes:
         if self.device.type not in ("cpu", "cuda"):
             raise TrainingError(f"--device {device}: train.py runs on cpu or cuda")
         if self.device.type == "cuda":  # cuda alone: under torchrun the process's LOCAL_RANK, else GPU 0
-            self.device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) if self.device.index is None else
-                                       self.device.index)
-            if self.device.index >= torch.cuda.device_count():
+            index = int(os.environ.get("LOCAL_RANK", 0)) if self.device.index is None else self.device.index
+            if index >= torch.cuda.device_count():
                 raise TrainingError(f"--device {device}: PyTorch sees {torch.cuda.device_count()} CUDA GPU(s)")
-            torch.cuda.set_device(self.device)
+            torch.cuda.set_device(index)
+            self.device = torch.device("cuda", index)
         if self.distributed and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
@@ -288,9 +282,13 @@ class Processes:
         return values
 
 
+def autocast(device, dtype):
+    return torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+
+
 def compile_model(model):
-    """torch.compile the whole model as one graph (fullgraph: a graph break is an error, not a slowdown), from an empty
-    cache: under fullgraph the eighth recompilation of GPT.forward (by a new model, or evaluation) is an error."""
+    """torch.compile as one graph (fullgraph: a graph break is an error, not a slowdown), from an empty cache: under
+    fullgraph, the eighth recompilation of GPT.forward (each new model, and evaluation, makes one) is an error."""
     torch.compiler.reset()
     return torch.compile(model, fullgraph=True, dynamic=False)
 
@@ -317,10 +315,8 @@ def micro_batch_step(model, trained, args, device, micro_batches):
     """tokens -> loss: one micro-batch's forward and backward (its share of the step's mean loss); with --cuda-graph
     captured on a static token buffer, the random state put back after the warm-up and the capture so that a
     captured run draws what an uncaptured one draws."""
-    dtype = getattr(torch, args.dtype)
-
     def forward_backward(tokens):
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        with autocast(device, args.dtype):
             loss = trained(tokens[:, :-1], tokens[:, 1:])
         (loss / micro_batches).backward()
         return loss.detach()
@@ -344,13 +340,12 @@ def micro_batch_step(model, trained, args, device, micro_batches):
 def evaluate(model, windows, bytes_per_token, processes, args):
     """Validation bits per byte over the fixed validation windows (each rank takes a share)."""
     model.eval()
-    device, dtype = processes.device, getattr(torch, args.dtype)
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # losses, bytes
-    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+    sums = torch.zeros(2, dtype=torch.float64, device=processes.device)  # losses, bytes
+    with torch.no_grad(), autocast(processes.device, args.dtype):
         for batch in windows[processes.rank::processes.world].split(args.device_batch):
-            batch = batch.to(device)
+            batch = batch.to(processes.device)
             losses = model(batch[:, :-1], batch[:, 1:], reduction="none")
-            sums += torch.stack(bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token.to(device)))
+            sums += torch.stack(bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token.to(processes.device)))
     model.train()
     loss_sum, byte_sum = processes.all_sum(sums).tolist()
     return loss_sum / (math.log(2) * byte_sum)
@@ -361,8 +356,7 @@ def evaluate(model, windows, bytes_per_token, processes, args):
 
 
 def train_recipe(recipe, args, processes, data, run_id):
-    """Train one recipe from its first step, or from its checkpoint; return its row of the table (None if
-    --stop-after stopped it)."""
+    """Train one recipe from its first step or its checkpoint: its row of the table (None if --stop-after stops it)."""
     (documents, validation, bytes_per_token), device, cuda = data, processes.device, processes.device.type == "cuda"
     model, optimizers, checkpoint = setup_recipe(recipe, args, processes, run_id)
     start = checkpoint["step"] if checkpoint else 0
@@ -377,15 +371,13 @@ def train_recipe(recipe, args, processes, data, run_id):
     micro_batches = args.batch_tokens // (args.seq_len * args.device_batch * processes.world)
     micro_batch = micro_batch_step(model, trained, args, device, micro_batches) if start < args.steps else None
     seconds = []  # of each step of this invocation
-
     for step in range(start, args.steps):
         tic = time.time()
         batch = windows.next_batch(args.batch_tokens // args.seq_len)[processes.rank::processes.world]
         loss, multiplier = train_step(model, trained, optimizers, micro_batch, batch, step, args, processes)
         loss = loss.item()  # read only now, so that the host queued the optimizer while the GPU finished the backward
         if not math.isfinite(loss):  # the weights it spoiled are never saved: the last checkpoint stays good
-            raise TrainingError(f"[{recipe}] non-finite loss ({loss}) at step {step + 1}; stopped, its last "
-                                f"checkpoint kept")
+            raise TrainingError(f"[{recipe}] non-finite loss ({loss}) at step {step + 1}; stopped, checkpoint kept")
         if cuda:
             torch.cuda.synchronize(device)
             history["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
@@ -415,7 +407,6 @@ def train_recipe(recipe, args, processes, data, run_id):
         if stopping:
             processes.log(f"[{recipe}] stopped after {args.stop_after} steps as asked; continue with --resume")
             return None
-
     if args.steps >= args.warmup_steps + 3 and history["lowest_loss"] >= 0.99 * math.log(GPT2_VOCAB):
         raise TrainingError(f"[{recipe}] the model did not learn (its loss never fell 1% below ln(vocabulary) = "
                             f"{math.log(GPT2_VOCAB):.2f}); lower the learning rates")
@@ -426,9 +417,9 @@ def train_recipe(recipe, args, processes, data, run_id):
 
 
 def setup_recipe(recipe, args, processes, run_id):
-    """(model, (AdamW, Muon), checkpoint): the seed's initial weights, the same for every recipe and rank; with
-    --resume, the recipe's checkpoint with its optimizer and random states, or None if it has not written one yet (it
-    starts over). One that metrics.jsonl says was written must be there: starting over would discard its steps."""
+    """(model, (AdamW, Muon), checkpoint): the seed's initial weights, the same for every recipe and rank, or the
+    recipe's checkpoint with its optimizers' and random states. A recipe without one starts over, unless
+    metrics.jsonl says it wrote one: starting over would discard its steps."""
     path, records = checkpoint_path(args.out, recipe), read_metrics(args.out)
     checkpoint = load_checkpoint(path, run_id, recipe) if os.path.exists(path) else None  # a new run holds none
     if not checkpoint and (written := [r["step"] for r in records if r["recipe"] == recipe and r.get("checkpoint")]):
@@ -442,9 +433,8 @@ def setup_recipe(recipe, args, processes, run_id):
     adamw, muon = make_optimizers(model, args.lr_matrix, args.lr_embedding, args.lr_head)
     torch.manual_seed(args.seed + 1 + processes.rank)  # the quantization's randomness differs across ranks
     if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        adamw.load_state_dict(checkpoint["adamw"])
-        muon.load_state_dict(checkpoint["muon"])
+        for part, state in ((model, "model"), (adamw, "adamw"), (muon, "muon")):
+            part.load_state_dict(checkpoint[state])
         torch.set_rng_state(checkpoint["rng"][processes.rank]["cpu"])
         if processes.device.type == "cuda":
             torch.cuda.set_rng_state(checkpoint["rng"][processes.rank]["cuda"], processes.device)
@@ -458,8 +448,7 @@ def setup_recipe(recipe, args, processes, run_id):
 
 def train_step(model, trained, optimizers, micro_batch, batch, step, args, processes):
     """One optimizer step on this rank's windows: the schedule's learning rate, the micro-batches' gradients added up
-    (DDP all-reduces them at the last one), AdamW and Muon. Returns the mean loss over all ranks (a tensor, not read
-    yet) and the learning-rate multiplier."""
+    (DDP all-reduces them at the last), AdamW and Muon. (The mean loss over all ranks, not read yet; the lr factor.)"""
     adamw, muon = optimizers
     multiplier = lr_multiplier(step, args.steps, args.warmup_steps, args.warmdown)
     for group in adamw.param_groups + muon.param_groups:
@@ -488,17 +477,15 @@ def lr_multiplier(step, steps, warmup, warmdown):
 
 def save_recipe(recipe, model, optimizers, windows, history, record, args, processes):
     """The recipe's checkpoint, with every rank's random state (each resumes its own), if its weights are finite."""
-    device, (adamw, muon) = processes.device, optimizers
-    rng = processes.gather(dict(cpu=torch.get_rng_state(),
-                                cuda=torch.cuda.get_rng_state(device) if device.type == "cuda" else None))
+    rng = processes.gather(dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(processes.device)
+                                if processes.device.type == "cuda" else None))
     if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise TrainingError(f"[{recipe}] non-finite weights at step {record['step']}; stopped, its last checkpoint "
-                            f"kept")
+        raise TrainingError(f"[{recipe}] non-finite weights at step {record['step']}; stopped, checkpoint kept")
     if processes.rank == 0:
         save_checkpoint(checkpoint_path(args.out, recipe), dict(
             run_id=record["run_id"], recipe=recipe, step=record["step"], model=model.state_dict(),
-            adamw=adamw.state_dict(), muon=muon.state_dict(), data=windows.state_dict(), rng=rng, history=history,
-            record=record))
+            adamw=optimizers[0].state_dict(), muon=optimizers[1].state_dict(), data=windows.state_dict(), rng=rng,
+            history=history, record=record))
 
 
 # -----------------------------------------------------------------------------
@@ -506,20 +493,19 @@ def save_recipe(recipe, model, optimizers, windows, history, record, args, proce
 
 
 def recipe_samples(args, processes, run_id, recipes, prompts):
-    """{recipe: its model's continuation of each prompt}, each model from its checkpoint, all with the same random
-    draws from a generator of their own (training's random state stays as it was). A prompt follows an end-of-text
-    token, as the start of a document does in training."""
-    tokenizer, device, dtype = gpt2_tokenizer(), processes.device, getattr(torch, args.dtype)
-    samples = {}
+    """{recipe: its model's continuation of each prompt}, each model from its checkpoint, all with the same draws from
+    a generator of their own (training's random state stays as it was). A prompt follows an end-of-text token, as a
+    document's start does in training."""
+    tokenizer, samples = gpt2_tokenizer(), {}
     for recipe in recipes:
         with torch.random.fork_rng(devices=[]):  # initial weights, which the checkpoint's replace
-            model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(device)
+            model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(processes.device)
         model.load_state_dict(load_checkpoint(checkpoint_path(args.out, recipe), run_id, recipe)["model"])
         samples[recipe] = []
         for prompt in prompts:
-            tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=device)
-            generator = torch.Generator(device).manual_seed(args.seed)
-            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+            tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=processes.device)
+            generator = torch.Generator(processes.device).manual_seed(args.seed)
+            with autocast(processes.device, args.dtype):
                 written = model.generate(tokens, args.sample_tokens, TEMPERATURE, TOP_K, generator)[0, tokens.shape[1]:]
             samples[recipe].append(tokenizer.decode(written.tolist()).split("<|endoftext|>")[0])  # a document's end
     return samples
@@ -541,10 +527,9 @@ def sample_run(args, processes):
     if missing := [checkpoint_path(args.out, r) for r in recipes if not os.path.exists(checkpoint_path(args.out, r))]:
         raise TrainingError(f"{missing[0]} not found: samples come from a run's checkpoints (a tiny run deletes its "
                             f"own when done, unless --keep-checkpoints)")
-    if not recipes:
-        raise TrainingError(f"nothing to sample: no model of {args.out} has trained a step")
-    if args.sample_tokens < 0:
-        raise TrainingError(f"--sample-tokens must be at least 0, got {args.sample_tokens}")
+    if not recipes or args.sample_tokens < 0:
+        raise TrainingError("nothing to sample: no model of the run has trained" if not recipes else
+                            f"--sample-tokens must be at least 0, got {args.sample_tokens}")
     args.depth, args.seq_len, args.seed = (run["flags"][name] for name in ("depth", "seq_len", "seed"))
     args.dtype = "bfloat16" if processes.device.type == "cuda" else run["flags"]["dtype"]
     print_samples(recipe_samples(args, processes, run["run_id"], recipes, [args.sample]), [args.sample])
@@ -555,10 +540,10 @@ def sample_run(args, processes):
 
 
 def open_run(args, processes, fingerprint):
-    """(the run's id, the lock). Rank 0 decides for every rank: OUT is a new runs/<date>-<time>-<id>, --out, or with
-    --resume runs/latest. A directory that holds files but no run is refused untouched; else it is locked (an flock:
-    the OS drops it when the process ends, even by a crash), then its run.json is checked (--resume: the same flags
-    and data) or written (with --overwrite over the run there, whose files, and only those, are removed)."""
+    """(the run's id, its lock). Rank 0 decides for every rank: OUT is a new runs/<date>-<time>-<id>, --out, or with
+    --resume runs/latest. A directory of files that are no run is refused untouched. Else it is locked with an flock
+    (the OS drops it when the process ends, even by a crash), and its run.json checked (--resume: the same flags and
+    data) or written (--overwrite: over the run there, whose files, and only those, are removed)."""
     outcome, lock = (None, None), None
     if processes.rank == 0:
         out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}") if args.new_dir else \
@@ -572,10 +557,9 @@ def open_run(args, processes, fingerprint):
             os.makedirs(out, exist_ok=True)
             lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            for recipe in args.recipes:  # found before any training, not when its first checkpoint is written
-                if os.path.lexists(folder := os.path.join(out, recipe)) and not os.path.isdir(folder):
-                    raise TrainingError(f"{folder} is not a directory, and {recipe}'s checkpoints go there; move it "
-                                        f"away")
+            for folder in (os.path.join(out, recipe) for recipe in args.recipes):  # a file, or a broken link
+                if os.path.lexists(folder) and not os.path.isdir(folder):
+                    raise TrainingError(f"{folder} is not a directory, and checkpoints go there; move it away")
             if os.path.exists(path) and not (args.resume or args.overwrite):
                 raise TrainingError(f"{out} holds a run: continue it with --resume, replace it with --overwrite, or "
                                     f"use another --out")
@@ -583,8 +567,7 @@ def open_run(args, processes, fingerprint):
                            for name, value in flags.items() if run and run["flags"].get(name) != value]:
                 raise TrainingError(f"--resume cannot change flags that define the run: {', '.join(changed)}")
             if run and run.get("data_sha256") != fingerprint:
-                raise TrainingError(f"the training data is not the run's (another --data-dir, or changed files); "
-                                    f"resume with the data {out} was started with")
+                raise TrainingError(f"the training data is not the run's (another --data-dir, or changed files)")
             for name in ("metrics.jsonl", "summary.json", "loss.png", *(os.path.join(r, "checkpoint.pt") for r in
                                                                         RECIPES)) if args.overwrite else ():
                 with contextlib.suppress(FileNotFoundError):
@@ -608,23 +591,22 @@ def open_run(args, processes, fingerprint):
 
 
 def read_run(out, purpose):
-    """OUT/run.json, to resume or sample that run: its id, the flags that define it, its data's fingerprint."""
-    path = os.path.join(out, "run.json")
-    if not os.path.isfile(path):
+    """OUT/run.json, to resume or sample its run: the run's id, the flags that define it, its data's fingerprint."""
+    if not os.path.isfile(path := os.path.join(out, "run.json")):
         raise TrainingError(f"nothing to {purpose}: {path} not found (name the run's directory with --out)")
     try:
         with open(path) as f:
             run = json.load(f)
         assert isinstance(run.get("run_id"), str) and {"depth", "seq_len", "dtype", "seed"} <= run["flags"].keys()
+        return run
     except (ValueError, AttributeError, AssertionError, KeyError):
         raise TrainingError(f"{path} is not a run.json of train.py; restore it, or start over with --overwrite") \
             from None
-    return run
 
 
 def make_latest(out):
-    """runs/latest -> OUT, atomically: a link made under this process's own name (runs started together must not
-    collide), then renamed over the old one. A directory that a user put there is left alone."""
+    """runs/latest -> OUT: a link made under this process's own name (runs started together must not collide), then
+    renamed over the old one, atomically. A directory that a user put there is left alone."""
     latest, temporary = os.path.join(RUNS, "latest"), os.path.join(RUNS, f"latest.{os.getpid()}.tmp")
     if os.path.islink(latest) or not os.path.exists(latest):
         with contextlib.suppress(FileNotFoundError):
@@ -634,8 +616,8 @@ def make_latest(out):
 
 
 def write_atomically(path, *chunks):
-    """The bytes to path.tmp (the lock keeps one writer a run), flushed to the disk and renamed over path: a crash or a
-    full disk keeps the previous version, and an error removes the temporary file and says why in one line."""
+    """The bytes to path.tmp (the run's lock keeps out a second writer), flushed to the disk and renamed over path: a
+    crash or a full disk keeps the previous version; an error removes the temporary file and says why in one line."""
     temporary, previous = f"{path}.tmp", os.path.exists(path)
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -676,14 +658,12 @@ def load_checkpoint(path, run_id=None, recipe=None):
     except FileNotFoundError:
         raise TrainingError(f"checkpoint {path} not found") from None
     except Exception as error:  # empty, truncated or foreign: it fails in many ways
-        raise TrainingError(f"checkpoint {path} is unreadable ({type(error).__name__}): not a whole checkpoint of "
-                            f"train.py") from None
-    if hashlib.sha256(payload).hexdigest().encode() != digest:
-        raise TrainingError(f"checkpoint {path} is corrupt (its checksum does not match); restore it, or start over")
-    if run_id not in (None, owner[0]):
-        raise TrainingError(f"checkpoint {path} belongs to another run; delete it, or use another --out")
-    if recipe not in (None, owner[1]):
-        raise TrainingError(f"checkpoint {path} is the {owner[1]} recipe's, not {recipe}'s; delete it")
+        raise TrainingError(f"checkpoint {path} is unreadable ({type(error).__name__}): not train.py's") from None
+    for bad, problem in ((hashlib.sha256(payload).hexdigest().encode() != digest, "is corrupt (its checksum differs)"),
+                         (run_id not in (None, owner[0]), "belongs to another run"),
+                         (recipe not in (None, owner[1]), f"is the {owner[1]} recipe's, not {recipe}'s")):
+        if bad:
+            raise TrainingError(f"checkpoint {path} {problem}; restore the run's, or start over")
     return state
 
 
@@ -704,8 +684,8 @@ def read_metrics(out):
 
 
 def summarize(rows, processes, args, run_id):
-    """The table and how to read it, then every model's samples; OUT/summary.json, OUT/loss.png, and the checkpoints
-    deleted unless kept."""
+    """The table and how to read it, every model's samples; OUT/summary.json and OUT/loss.png; unless kept, the
+    checkpoints deleted."""
     baseline = next((r["val_bpb"] for r in rows if r["recipe"] == "bf16"), None)
     processes.log(f"\n{'recipe':<14}{'val bpb':>10}{'gap to bf16':>13}{'tokens/s':>12}{'peak memory':>13}")
     for r in rows:
@@ -715,12 +695,11 @@ def summarize(rows, processes, args, run_id):
         speed = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"  # measured after 3 steps
         processes.log(f"{r['recipe']:<14}{r['val_bpb']:>10.4f}{gap:>13}{speed:>12}{memory:>13}")
     device, emulated = processes.device, not native_fp4_available(processes.device)
-    processes.log("One seed per recipe: at small sizes, gaps of a few tenths of a percent are within the noise "
-                  "between seeds (bench.py study measures it).\n" + (
-                      "On a CPU the quantized recipes run PyTorch's reference code: their tokens/s say nothing of "
-                      "NVFP4 on a GPU." if device.type == "cpu" else "This GPU has no FP4 tensor cores: NVFP4 is "
-                      "emulated with BF16 GEMMs, so the quantized recipes pay for quantizing without faster GEMMs."
-                      if emulated else "The NVFP4 GEMMs ran on FP4 tensor cores."))
+    processes.log("One seed per recipe: at small sizes, gaps of a few tenths of a percent are noise (bench.py study "
+                  "measures it).\n" + ("On a CPU the quantized recipes run PyTorch's reference code: their tokens/s "
+                  "say nothing of NVFP4 on a GPU." if device.type == "cpu" else "This GPU has no FP4 tensor cores: "
+                  "the quantized recipes pay for quantizing without faster (BF16) GEMMs." if emulated else "The "
+                  "NVFP4 GEMMs ran on FP4 tensor cores."))
     if processes.rank != 0:
         return
     samples = recipe_samples(args, processes, run_id, args.recipes, PROMPTS)
@@ -770,12 +749,6 @@ def plot(out, provenance):
     write_atomically(os.path.join(out, "loss.png"), image.getvalue())
 
 
-def amount(count):
-    """A count in a few digits: 960, 41K, 4.86M, 1.2B."""
-    return next((f"{count / size:.3g}{unit}" for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)) if count >= size),
-                str(count))
-
-
 # -----------------------------------------------------------------------------
 # Flags, and the run
 
@@ -792,8 +765,7 @@ def parse_args(argv=None):
     add("--preset", choices=list(PRESETS), help="defaults for a model size (default: d12 on a GPU)")
     add("--depth", type=int, help="transformer depth; width = 64 * depth")
     add("--seq-len", type=int, help="tokens per training window")
-    add("--device-batch", type=int, help="windows per micro-batch on each device; if one does not fit your GPU, "
-                                         "halve it (gradient accumulation keeps the step's tokens)")
+    add("--device-batch", type=int, help="windows per micro-batch on each device (halve it if one does not fit)")
     add("--batch-tokens", type=int, help="tokens per optimizer step, across all devices")
     add("--steps", type=int, help="optimizer steps")
     add("--warmup-steps", type=int, default=0, help="linear learning-rate warmup steps")
@@ -811,23 +783,20 @@ def parse_args(argv=None):
     add("--val-docs", type=int, default=500, help="with --data hf: the first N documents are the validation split")
     add("--dtype", choices=["bfloat16", "float32"], help="autocast dtype (default bfloat16 on GPU, float32 on CPU)")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: on a GPU)")
-    add("--cuda-graph", action=argparse.BooleanOptionalAction, help="capture each micro-batch in a CUDA graph and "
-                                                                    "replay it (default: on one GPU with --compile)")
+    add("--cuda-graph", action=argparse.BooleanOptionalAction, help="capture each micro-batch in a CUDA graph "
+                                                                    "(default: on one GPU with --compile)")
     add("--device", default="auto", help="cuda, cuda:N or cpu (default: the GPU if there is one)")
     add("--seed", type=int, default=0, help="seed of the weights, the data order and the quantization randomness")
-    add("--deterministic", action="store_true",
-        help="make a GPU run repeat bit for bit (PyTorch's deterministic algorithms; 5-7%% fewer tokens/s at d12 on "
-             "an H200): without it the compiled embedding backward adds with atomics, in a varying order")
+    add("--deterministic", action="store_true", help="repeat a GPU run bit for bit (5-7%% fewer tokens/s at d12): "
+                                                     "else the compiled embedding backward adds in a varying order")
     add("--out", help="the run's directory (default: a new runs/<date>-<time>-<id>; with --resume, runs/latest)")
     add("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     add("--resume", action="store_true", help="continue the run in --out (default: the newest) from its checkpoints")
     add("--overwrite", action="store_true", help="replace the run in --out with a new one")
-    add("--stop-after", type=int, default=0, help="stop after this many steps in this invocation (checkpointed); "
-                                                  "continue later with --resume")
-    add("--keep-checkpoints", action=argparse.BooleanOptionalAction, help="keep the checkpoints of a finished run, "
-        "for --resume and --sample (default: yes, but for the tiny preset: ~160 MB a recipe, ~100x the rest)")
-    add("--sample", metavar="PROMPT", help="no training: the models of the run in --out (default: runs/latest) "
-                                           "continue PROMPT")
+    add("--stop-after", type=int, default=0, help="stop after this many steps, checkpointed (then --resume)")
+    add("--keep-checkpoints", action=argparse.BooleanOptionalAction,
+        help="keep a finished run's checkpoints, for --resume and --sample (default: yes, but for the tiny preset)")
+    add("--sample", metavar="PROMPT", help="no training: the models of the run in --out (or runs/latest) continue it")
     add("--sample-tokens", type=int, default=48, help="tokens a sample writes (at a run's end, and with --sample)")
     return parser.parse_args(argv)
 
@@ -836,15 +805,14 @@ def resolve(args, processes):
     """Fill in the preset's defaults and check every flag before any work: a one-line error for one that cannot be."""
     cuda = processes.device.type == "cuda"
     if args.preset is None and not cuda:
-        raise TrainingError("no GPU found: the default run (preset d12) needs one. Try --preset tiny, which "
-                            "finishes in a few minutes on a CPU")
+        raise TrainingError("no GPU found: the default run (preset d12) needs one; --preset tiny runs on a CPU")
     args.preset = args.preset or "d12"
     for key, value in PRESETS[args.preset].items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    args.compile = cuda if args.compile is None else args.compile
-    if args.cuda_graph is None:
-        args.cuda_graph = cuda and args.compile and not processes.distributed
+    args.dtype, args.compile = args.dtype or ("bfloat16" if cuda else "float32"), cuda if args.compile is None else \
+        args.compile
+    args.cuda_graph = cuda and args.compile and not processes.distributed if args.cuda_graph is None else \
+        args.cuda_graph
     args.new_dir = args.out is None and not args.resume  # a new runs/<date>-<time>-<id>
     smallest = dict(depth=1, seq_len=1, device_batch=1, batch_tokens=1, steps=1, eval_every=1, eval_tokens=1,
                     checkpoint_every=1, warmup_steps=0, stop_after=0, val_docs=0, sample_tokens=0)
@@ -864,10 +832,9 @@ def resolve(args, processes):
              "--cuda-graph runs on one GPU (on several, DDP's gradient all-reduce is not captured)"),
             (cuda and args.dtype == "float32" and args.recipes != ["bf16"],
              "the NVFP4 kernels take bfloat16 on a GPU: use --dtype bfloat16"),
-            (args.out is not None and not args.out.strip(),
-             "--out is empty: name a directory, or leave it out for a new one in runs/"),
-            (args.overwrite and (args.resume or args.out is None),
-             "--overwrite replaces the run in a given --out (and does not go with --resume)"),
+            (args.out is not None and not args.out.strip(), "--out is empty: name a directory, or leave it out"),
+            (args.overwrite and (args.resume or args.out is None), "--overwrite replaces the run in a given --out (and "
+             "does not go with --resume)"),
             (args.data == "hf" and args.hf_dataset == "json" and not args.hf_files,
              "--hf-dataset json reads the files given with --hf-files")) if bad]
         if problems:
@@ -883,9 +850,8 @@ def resolve(args, processes):
 
 @contextlib.contextmanager
 def deterministic(enabled):
-    """With enabled, PyTorch's deterministic algorithms inside the block (with the fixed cuBLAS workspace they need,
-    and torch.empty left unfilled: filling every new tensor with NaN would cost a write per byte); the previous
-    settings after it, for callers in the same process."""
+    """With enabled, PyTorch's deterministic algorithms inside the block (with the fixed cuBLAS workspace they need;
+    torch.empty left unfilled: filling every new tensor would cost a write per byte); after it, as before."""
     before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
     workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if enabled:
@@ -902,11 +868,16 @@ def deterministic(enabled):
 
 
 def out_of_memory(error):
-    """The first line of an error that is running out of memory (the GPU's, Python's, or the CPU allocator's, a
-    RuntimeError), else None."""
+    """The first line of an error that is running out of memory (the GPU's, Python's, the CPU allocator's), or None."""
     reason = (str(error) or type(error).__name__).splitlines()[0][:100]
     memory = isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or "can't allocate memory" in reason
     return reason if memory else None
+
+
+def amount(count):
+    """A count in a few digits: 960, 41K, 4.86M, 1.2B."""
+    return next((f"{count / size:.3g}{unit}" for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)) if count >= size),
+                str(count))
 
 
 def main(argv=None):
