@@ -8,13 +8,10 @@ Pre-train the Nanochat GPT on FineWeb-Edu once per recipe (BF16, Quartet II, ...
     python train.py --data hf --preset d20   # stream HuggingFaceFW/fineweb-edu (needs the network)
     torchrun --nproc_per_node=8 train.py --device-batch 16   # 8 GPUs (DDP): 131k tokens a step, 16 x 1024 each
 
-Every recipe starts from the same weights and sees the same data in the same order. The table compares the final
-validation bits per byte: the target tokens' summed loss / (ln 2 * their UTF-8 bytes), end-of-text excluded, a
-measure of compression that does not depend on the tokenizer. Then every model continues the same prompts.
-
-Data: documents tokenized with GPT-2's BPE, each followed by end-of-text, concatenated and cut into windows of
-seq_len + 1 tokens. The bundled sample (4,788 training documents, 4.86M tokens, and 253 validation ones of
-FineWeb-Edu, ODC-By 1.0) is read in a new order each epoch; so is the stream of --data hf.
+Every recipe starts from the same weights and sees the same data in the same order. The data: documents tokenized
+with GPT-2's BPE, each followed by end-of-text, concatenated and cut into windows of seq_len + 1 tokens. The bundled
+sample (4,788 training documents, 4.86M tokens, and 253 validation ones of FineWeb-Edu, ODC-By 1.0) is read in a new
+order each epoch; so is the stream of --data hf.
 
 A step: micro-batches of --device-batch windows add up their gradients until --batch-tokens tokens (across all
 GPUs), then Muon and AdamW step (model.py). The learning rate warms up, stays, then decays to 0 over the last
@@ -23,10 +20,14 @@ captured in a CUDA graph: the host could not issue a quantized micro-batch's hun
 
 A run lives in runs/<date>-<time>-<id> (or --out); runs/latest names the newest that has trained a step. It holds
 run.json (its id, the flags that define it, the data's fingerprint), metrics.jsonl, a checkpoint per recipe,
-summary.json (the table and the samples) and loss.png. Nothing is lost: a file is written whole to FILE.tmp, then
-renamed over FILE, so a crash or a full disk keeps the previous version; a lock keeps a second process out. --resume
-continues every recipe exactly (bit for bit on a CPU; on a GPU with --deterministic), and only with the run's flags,
-data and checkpoints. A toy run (preset tiny) deletes its checkpoints when done: they are ~100x the rest.
+summary.json and loss.png. Nothing is lost: a file is written whole to FILE.tmp, then renamed over FILE, so a crash
+or a full disk keeps the previous version; a lock keeps a second process out. --resume continues every recipe exactly
+(bit for bit on a CPU; on a GPU with --deterministic), and only with the run's flags, data and checkpoints. A toy run
+(preset tiny) deletes its checkpoints when done: they are ~100x the rest.
+
+The table compares the final validation bits per byte: the target tokens' summed loss / (ln 2 * their UTF-8 bytes),
+end-of-text excluded, a measure of compression that does not depend on the tokenizer. Then every model continues the
+same prompts with the same random draws; summary.json keeps the table and these samples.
 """
 
 import argparse
@@ -489,97 +490,20 @@ def save_recipe(recipe, model, optimizers, windows, history, record, args, proce
 
 
 # -----------------------------------------------------------------------------
-# Samples: every model continues the same prompts
-
-
-def recipe_samples(args, processes, run_id, recipes, prompts):
-    """{recipe: its model's continuation of each prompt}, each model from its checkpoint, all with the same draws from
-    a generator of their own (training's random state stays as it was). A prompt follows an end-of-text token, as a
-    document's start does in training."""
-    tokenizer, samples = gpt2_tokenizer(), {}
-    for recipe in recipes:
-        with torch.random.fork_rng(devices=[]):  # initial weights, which the checkpoint's replace
-            model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(processes.device)
-        model.load_state_dict(load_checkpoint(checkpoint_path(args.out, recipe), run_id, recipe)["model"])
-        samples[recipe] = []
-        for prompt in prompts:
-            tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=processes.device)
-            generator = torch.Generator(processes.device).manual_seed(args.seed)
-            with autocast(processes.device, args.dtype):
-                written = model.generate(tokens, args.sample_tokens, TEMPERATURE, TOP_K, generator)[0, tokens.shape[1]:]
-            samples[recipe].append(tokenizer.decode(written.tolist()).split("<|endoftext|>")[0])  # a document's end
-    return samples
-
-
-def print_samples(samples, prompts):
-    for i, prompt in enumerate(prompts):
-        print(f"\n{prompt} ...")
-        for recipe, texts in samples.items():
-            print(textwrap.fill(" ".join(texts[i].split()) or "(ended at once)", 120, initial_indent=f"  {recipe:<14}",
-                                subsequent_indent=" " * 16))
-
-
-def sample_run(args, processes):
-    """--sample: the models of the run in --out (or runs/latest), every recipe that has trained, continue the prompt
-    with the run's seed (on a GPU in BF16, which the NVFP4 kernels take)."""
-    args.out = os.path.realpath(args.out or os.path.join(RUNS, "latest"))
-    run, recipes = read_run(args.out, "sample"), list(dict.fromkeys(r["recipe"] for r in read_metrics(args.out)))
-    if missing := [checkpoint_path(args.out, r) for r in recipes if not os.path.exists(checkpoint_path(args.out, r))]:
-        raise TrainingError(f"{missing[0]} not found: samples come from a run's checkpoints (a tiny run deletes its "
-                            f"own when done, unless --keep-checkpoints)")
-    if not recipes or args.sample_tokens < 0:
-        raise TrainingError("nothing to sample: no model of the run has trained" if not recipes else
-                            f"--sample-tokens must be at least 0, got {args.sample_tokens}")
-    args.depth, args.seq_len, args.seed = (run["flags"][name] for name in ("depth", "seq_len", "seed"))
-    args.dtype = "bfloat16" if processes.device.type == "cuda" else run["flags"]["dtype"]
-    print_samples(recipe_samples(args, processes, run["run_id"], recipes, [args.sample]), [args.sample])
-
-
-# -----------------------------------------------------------------------------
 # The run's directory: where a run lives, and how nothing in it is lost
 
 
 def open_run(args, processes, fingerprint):
     """(the run's id, its lock). Rank 0 decides for every rank: OUT is a new runs/<date>-<time>-<id>, --out, or with
-    --resume runs/latest. A directory of files that are no run is refused untouched. Else it is locked with an flock
-    (the OS drops it when the process ends, even by a crash), and its run.json checked (--resume: the same flags and
-    data) or written (--overwrite: over the run there, whose files, and only those, are removed)."""
+    --resume runs/latest; it is locked, and its run.json checked (--resume) or written."""
     outcome, lock = (None, None), None
     if processes.rank == 0:
         out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}") if args.new_dir else \
             os.path.realpath(args.out or os.path.join(RUNS, "latest"))
-        flags = {name: getattr(args, name) for name in RUN_FLAGS if args.data == "hf" or not name.startswith(
-            ("hf_", "val_"))} | dict(world=processes.world)
         try:
-            run, path = read_run(out, "resume") if args.resume else None, os.path.join(out, "run.json")
-            if not os.path.exists(path) and set(os.listdir(out) if os.path.isdir(out) else []) - {".lock"}:
-                raise TrainingError(f"{out} holds files that are not a run of train.py; use an empty or new --out")
-            os.makedirs(out, exist_ok=True)
-            lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            for folder in (os.path.join(out, recipe) for recipe in args.recipes):  # a file, or a broken link
-                if os.path.lexists(folder) and not os.path.isdir(folder):
-                    raise TrainingError(f"{folder} is not a directory, and checkpoints go there; move it away")
-            if os.path.exists(path) and not (args.resume or args.overwrite):
-                raise TrainingError(f"{out} holds a run: continue it with --resume, replace it with --overwrite, or "
-                                    f"use another --out")
-            if changed := [f"--{name.replace('_', '-')} {run['flags'].get(name)!r} -> {value!r}"
-                           for name, value in flags.items() if run and run["flags"].get(name) != value]:
-                raise TrainingError(f"--resume cannot change flags that define the run: {', '.join(changed)}")
-            if run and run.get("data_sha256") != fingerprint:
-                raise TrainingError(f"the training data is not the run's (another --data-dir, or changed files)")
-            for name in ("metrics.jsonl", "summary.json", "loss.png", *(os.path.join(r, "checkpoint.pt") for r in
-                                                                        RECIPES)) if args.overwrite else ():
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(out, name))
-            if not run:
-                run = dict(run_id=uuid.uuid4().hex, flags=flags, data_sha256=fingerprint)
-                write_atomically(path, json.dumps(run, indent=1).encode())
-            outcome = out, run["run_id"]
-        except BlockingIOError:
-            outcome = None, f"{out} is in use by another run; wait for it or use another --out"
-        except OSError as error:  # a .lock that is a link is refused (O_NOFOLLOW), not followed
-            outcome = None, f"--out {out} is not a writable directory, or its .lock is not a file ({error.strerror})"
+            run = read_run(out, "resume") if args.resume else None
+            lock = lock_run(out)
+            outcome = out, check_run(args, out, run, processes.world, fingerprint)
         except TrainingError as error:
             outcome = None, str(error)
     args.out, answer = processes.gather(outcome)[0]
@@ -588,6 +512,55 @@ def open_run(args, processes, fingerprint):
             os.close(lock)
         raise TrainingError(answer)
     return answer, lock
+
+
+def lock_run(out):
+    """An flock on OUT/.lock, which keeps a second process out (the OS drops it when the process ends, even by a
+    crash). A directory of files but no run is refused first, untouched; a .lock that is a link is not followed."""
+    try:
+        names = set(os.listdir(out)) if os.path.isdir(out) else set()
+        if "run.json" not in names and names - {".lock"}:
+            raise TrainingError(f"{out} holds files that are not a run of train.py; use an empty or new --out")
+        os.makedirs(out, exist_ok=True)
+        lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        raise TrainingError(f"--out {out} is not a writable directory, or its .lock is not a file ({error.strerror})") \
+            from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return lock
+    except BlockingIOError:
+        os.close(lock)
+        raise TrainingError(f"{out} is in use by another run; wait for it or use another --out") from None
+
+
+def check_run(args, out, run, world, fingerprint):
+    """The run's id: with --resume its run.json's, whose flags and data must be the ones given; else a new run's,
+    written to OUT/run.json (with --overwrite over the run there, whose files, and only those, are removed)."""
+    for folder in (os.path.join(out, recipe) for recipe in args.recipes):  # a file, or a broken link
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            raise TrainingError(f"{folder} is not a directory, and checkpoints go there; move it away")
+    flags = {name: getattr(args, name) for name in RUN_FLAGS if args.data == "hf" or not name.startswith(
+        ("hf_", "val_"))} | dict(world=world)
+    if run:
+        changed = [f"--{name.replace('_', '-')} {run['flags'].get(name)!r} -> {value!r}"
+                   for name, value in flags.items() if run["flags"].get(name) != value]
+        if changed:
+            raise TrainingError(f"--resume cannot change flags that define the run: {', '.join(changed)}")
+        if run.get("data_sha256") != fingerprint:
+            raise TrainingError("the training data is not the run's (another --data-dir, or changed files)")
+        return run["run_id"]
+    path = os.path.join(out, "run.json")
+    if os.path.exists(path) and not args.overwrite:
+        raise TrainingError(f"{out} holds a run: continue it with --resume, replace it with --overwrite, or use "
+                            f"another --out")
+    if args.overwrite:  # the replaced run's files, and only those
+        for name in ("metrics.jsonl", "summary.json", "loss.png", *(os.path.join(r, "checkpoint.pt") for r in RECIPES)):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(os.path.join(out, name))
+    run = dict(run_id=uuid.uuid4().hex, flags=flags, data_sha256=fingerprint)
+    write_atomically(path, json.dumps(run, indent=1).encode())
+    return run["run_id"]
 
 
 def read_run(out, purpose):
@@ -747,6 +720,53 @@ def plot(out, provenance):
     figure.savefig(image := io.BytesIO(), format="png", dpi=120, metadata={"Description": provenance})
     plt.close(figure)
     write_atomically(os.path.join(out, "loss.png"), image.getvalue())
+
+
+# -----------------------------------------------------------------------------
+# Samples: every model continues the same prompts
+
+
+def recipe_samples(args, processes, run_id, recipes, prompts):
+    """{recipe: its model's continuation of each prompt}, each model from its checkpoint, all with the same draws from
+    a generator of their own (training's random state stays as it was). A prompt follows an end-of-text token, as a
+    document's start does in training."""
+    tokenizer, samples = gpt2_tokenizer(), {}
+    for recipe in recipes:
+        with torch.random.fork_rng(devices=[]):  # initial weights, which the checkpoint's replace
+            model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(processes.device)
+        model.load_state_dict(load_checkpoint(checkpoint_path(args.out, recipe), run_id, recipe)["model"])
+        samples[recipe] = []
+        for prompt in prompts:
+            tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=processes.device)
+            generator = torch.Generator(processes.device).manual_seed(args.seed)
+            with autocast(processes.device, args.dtype):
+                written = model.generate(tokens, args.sample_tokens, TEMPERATURE, TOP_K, generator)[0, tokens.shape[1]:]
+            samples[recipe].append(tokenizer.decode(written.tolist()).split("<|endoftext|>")[0])  # a document's end
+    return samples
+
+
+def print_samples(samples, prompts):
+    for i, prompt in enumerate(prompts):
+        print(f"\n{prompt} ...")
+        for recipe, texts in samples.items():
+            print(textwrap.fill(" ".join(texts[i].split()) or "(ended at once)", 120, initial_indent=f"  {recipe:<14}",
+                                subsequent_indent=" " * 16))
+
+
+def sample_run(args, processes):
+    """--sample: the models of the run in --out (or runs/latest), every recipe that has trained, continue the prompt
+    with the run's seed (on a GPU in BF16, which the NVFP4 kernels take)."""
+    args.out = os.path.realpath(args.out or os.path.join(RUNS, "latest"))
+    run, recipes = read_run(args.out, "sample"), list(dict.fromkeys(r["recipe"] for r in read_metrics(args.out)))
+    if missing := [checkpoint_path(args.out, r) for r in recipes if not os.path.exists(checkpoint_path(args.out, r))]:
+        raise TrainingError(f"{missing[0]} not found: samples come from a run's checkpoints (a tiny run deletes its "
+                            f"own when done, unless --keep-checkpoints)")
+    if not recipes or args.sample_tokens < 0:
+        raise TrainingError("nothing to sample: no model of the run has trained" if not recipes else
+                            f"--sample-tokens must be at least 0, got {args.sample_tokens}")
+    args.depth, args.seq_len, args.seed = (run["flags"][name] for name in ("depth", "seq_len", "seed"))
+    args.dtype = "bfloat16" if processes.device.type == "cuda" else run["flags"]["dtype"]
+    print_samples(recipe_samples(args, processes, run["run_id"], recipes, [args.sample]), [args.sample])
 
 
 # -----------------------------------------------------------------------------
