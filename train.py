@@ -683,9 +683,10 @@ def summarize(rows, processes, args, run_id):
                    world_size=processes.world, torch=torch.__version__, emulated_nvfp4=emulated)
     write_atomically(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1, default=str).encode())
     plot(args.out, f"train.py run {run_id[:8]}, {summary['device']}, {summary['date']}")
-    for recipe in args.recipes if not args.keep_checkpoints else ():
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(checkpoint_path(args.out, recipe))
+    if not args.keep_checkpoints:
+        for recipe in args.recipes:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(checkpoint_path(args.out, recipe))
     size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(args.out) for name in names)
     print(f"\n{args.out}: {size / 1e6:,.1f} MB, " + ("its checkpoints kept for --resume and --sample (delete it when "
           "done)" if args.keep_checkpoints else "its checkpoints deleted (--keep-checkpoints keeps them)"))
@@ -761,9 +762,10 @@ def sample_run(args, processes):
     if missing := [checkpoint_path(args.out, r) for r in recipes if not os.path.exists(checkpoint_path(args.out, r))]:
         raise TrainingError(f"{missing[0]} not found: samples come from a run's checkpoints (a tiny run deletes its "
                             f"own when done, unless --keep-checkpoints)")
-    if not recipes or args.sample_tokens < 0:
-        raise TrainingError("nothing to sample: no model of the run has trained" if not recipes else
-                            f"--sample-tokens must be at least 0, got {args.sample_tokens}")
+    if not recipes:
+        raise TrainingError(f"nothing to sample: no model of {args.out} has trained a step")
+    if args.sample_tokens < 0:
+        raise TrainingError(f"--sample-tokens must be at least 0, got {args.sample_tokens}")
     args.depth, args.seq_len, args.seed = (run["flags"][name] for name in ("depth", "seq_len", "seed"))
     args.dtype = "bfloat16" if processes.device.type == "cuda" else run["flags"]["dtype"]
     print_samples(recipe_samples(args, processes, run["run_id"], recipes, [args.sample]), [args.sample])
