@@ -519,7 +519,7 @@ def lock_run(out):
     crash). A directory of files but no run is refused first, untouched; a .lock that is a link is not followed."""
     try:
         names = set(os.listdir(out)) if os.path.isdir(out) else set()
-        if "run.json" not in names and names - {".lock"}:
+        if "run.json" not in names and names - {".lock", "run.json.tmp"}:  # .tmp: a run killed as it began
             raise TrainingError(f"{out} holds files that are not a run of train.py; use an empty or new --out")
         os.makedirs(out, exist_ok=True)
         lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
@@ -831,10 +831,10 @@ def resolve(args, processes):
     args.preset = args.preset or "d12"
     for key, value in PRESETS[args.preset].items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    args.dtype, args.compile = args.dtype or ("bfloat16" if cuda else "float32"), cuda if args.compile is None else \
-        args.compile
-    args.cuda_graph = cuda and args.compile and not processes.distributed if args.cuda_graph is None else \
-        args.cuda_graph
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.compile = cuda if args.compile is None else args.compile
+    if args.cuda_graph is None:
+        args.cuda_graph = cuda and args.compile and not processes.distributed
     args.new_dir = args.out is None and not args.resume  # a new runs/<date>-<time>-<id>
     smallest = dict(depth=1, seq_len=1, device_batch=1, batch_tokens=1, steps=1, eval_every=1, eval_tokens=1,
                     checkpoint_every=1, warmup_steps=0, stop_after=0, val_docs=0, sample_tokens=0)

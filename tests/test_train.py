@@ -658,8 +658,8 @@ def test_an_interrupted_run_says_how_to_continue(small_data, tmp_path, monkeypat
 
 def test_resume_refuses_a_recipe_whose_checkpoint_is_gone_and_starts_one_that_never_began(small_data, tmp_path):
     both = ("--steps", "2", "--recipe", "bf16,quartet2")
-    assert run(tiny_args(small_data, tmp_path, *both, "--stop-after", "1")) is None  # quartet2 has not begun
-    with open(tmp_path / "metrics.jsonl", "a") as f:  # ...and a kill before quartet2's first checkpoint: no trace
+    assert run(tiny_args(small_data, tmp_path, *both, "--stop-after", "1")) is None
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # quartet2 killed before its first checkpoint: it starts over
         f.write(json.dumps(dict(recipe="quartet2", step=1, loss=10.0)) + "\n")
     saved = (tmp_path / "bf16" / "checkpoint.pt").read_bytes()
     os.remove(tmp_path / "bf16" / "checkpoint.pt")
