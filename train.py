@@ -392,7 +392,8 @@ def train_recipe(recipe, args, processes, data, run_id):
         processes.log(f"[{recipe}] step {step + 1:5d}/{args.steps} | loss {loss:.4f} | {seconds[-1] * 1000:.0f} ms, "
                       f"{args.batch_tokens / seconds[-1]:,.0f} tok/s | eta {left * pace:.1f} min, run ~"
                       f"{(left + later) * pace:.1f} min")
-        record = dict(run_id=run_id, recipe=recipe, step=step + 1, loss=loss, lr_multiplier=multiplier)
+        record = dict(run_id=run_id, recipe=recipe, step=step + 1, loss=loss, lr_multiplier=multiplier,
+                      tokens_per_s=args.batch_tokens / seconds[-1])
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             record["val_bpb"] = history["final_bpb"] = evaluate(trained, validation, bytes_per_token, processes, args)
             processes.log(f"[{recipe}] step {step + 1}: validation bpb {record['val_bpb']:.4f}")
