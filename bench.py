@@ -725,11 +725,9 @@ def main(argv=None):
     except (ValueError, OSError, train.TrainingError) as error:  # bad flags or files: one line, no traceback
         sys.exit(f"bench.py: error: {error}")
     except (MemoryError, RuntimeError) as error:  # the GPU's, Python's or the CPU allocator's out-of-memory
-        reason = (str(error) or "MemoryError").splitlines()[0][:100]
-        if isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or "can't allocate memory" in reason:
-            sys.exit(f"bench.py: error: out of memory ({reason}); lower the sizes `bench.py {args.command} --help` "
-                     f"lists")
-        raise
+        if (reason := train.out_of_memory(error)) is None:
+            raise
+        sys.exit(f"bench.py: error: out of memory ({reason}); lower the sizes `bench.py {args.command} --help` lists")
     return rows
 
 

@@ -65,6 +65,7 @@ from quantize import E2M1_MAX, SR_FP4_MAX, NVFP4Tensor
 GPT2_VOCAB = 50257
 HEAD_DIM = 128
 SOFTCAP = 15.0
+IGNORED = -100  # a target the loss leaves out (PyTorch's ignore_index)
 
 # -----------------------------------------------------------------------------
 # The recipes: one row each, a quantizer for every operand of the three GEMMs
@@ -357,6 +358,9 @@ class GPT(nn.Module):
         if depth < 1 or width % HEAD_DIM:
             raise ValueError(f"depth must be a positive even number (width = 64 * depth must be a multiple of "
                              f"{HEAD_DIM}, the head size), got depth {depth}")
+        if vocab_size < 1 or max_seq_len < 1:
+            raise ValueError(f"the GPT needs a vocabulary and a context of at least 1, got vocab_size {vocab_size}, "
+                             f"max_seq_len {max_seq_len}")
         self.depth, self.width, self.recipe, self.vocab_size = depth, width, recipe, vocab_size
         padded_vocab = -(-vocab_size // 128) * 128
         self.embedding = nn.Embedding(padded_vocab, width)
@@ -385,10 +389,11 @@ class GPT(nn.Module):
         return [p for p in self.blocks.parameters()]
 
     def forward(self, idx, targets=None, reduction="mean"):  # idx, targets [B, T]
-        if idx.dim() != 2 or idx.dtype not in (torch.int32, torch.int64) or idx.shape[1] > self.cos.shape[1]:
-            raise ValueError(f"the GPT takes token ids [batch, sequence <= {self.cos.shape[1]}] (int64), got "
-                             f"{idx.dtype} {tuple(idx.shape)}")
-        seq = idx.shape[1]
+        batch, seq = idx.shape if idx.dim() == 2 else (0, 0)
+        if idx.dtype not in (torch.int32, torch.int64) or not (batch and 0 < seq <= self.cos.shape[1]) or (
+                targets is not None and targets.shape != idx.shape):
+            raise ValueError(f"the GPT takes token ids [batch >= 1, 1 <= sequence <= {self.cos.shape[1]}] (int64), "
+                             f"and targets of their shape; got {idx.dtype} {tuple(idx.shape)}")
         cos, sin = self.cos[:, :seq], self.sin[:, :seq]
         x = norm(self.embedding(idx))
         for block in self.blocks:
@@ -397,7 +402,38 @@ class GPT(nn.Module):
         logits = SOFTCAP * torch.tanh(logits / SOFTCAP)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
+        # The mean over no targets is NaN: refused where checking costs no synchronization (eager, uncaptured)
+        checked = not torch.compiler.is_compiling() and not (idx.is_cuda and torch.cuda.is_current_stream_capturing())
+        if checked and reduction == "mean" and not targets.ne(IGNORED).any():
+            raise ValueError(f"every target is {IGNORED} (ignored): the mean loss over no tokens is undefined")
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORED, reduction=reduction)
+
+    @torch.no_grad()
+    def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
+        """idx [B, T] followed by max_new_tokens tokens, each drawn (with `generator`) from the model's own forward
+        pass, so that a quantized recipe writes with its NVFP4 forward: from softmax(logits / temperature) over the
+        top_k most likely tokens (all if None), the context cropped to its last max_seq_len tokens. The quantized
+        recipes take a multiple of 128 tokens per forward: the context is padded on the right (with rows too if
+        max_seq_len is shorter), and the logits read at its last real token. Attention is causal, so the padding
+        cannot reach the real positions; it enters only each quantized activation's FP32 tensor scale, as the
+        other windows of a training batch do. Autocast, if wanted, is the caller's, as for forward."""
+        if max_new_tokens < 0 or not temperature > 0 or (top_k is not None and top_k < 1):
+            raise ValueError(f"generate needs max_new_tokens >= 0, temperature > 0 and top_k >= 1 (or None), got "
+                             f"{max_new_tokens}, {temperature}, {top_k}")
+        multiple = 1 if self.recipe == "bf16" else HADAMARD
+        for _ in range(max_new_tokens):
+            context = idx[:, -self.cos.shape[1]:]
+            batch, length = context.shape
+            window = min(-(-length // multiple) * multiple, self.cos.shape[1])  # tokens per row, padded
+            rows_multiple = multiple // math.gcd(window, multiple)  # > 1 only if max_seq_len cut the window
+            rows = -(-batch // rows_multiple) * rows_multiple
+            logits = self(F.pad(context, (0, window - length, 0, rows - batch)))[:batch, length - 1] / temperature
+            if top_k is not None:
+                smallest_kept = logits.topk(min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < smallest_kept, -math.inf)
+            token = torch.multinomial(logits.softmax(-1), 1, generator=generator)
+            idx = torch.cat([idx, token], dim=1)
+        return idx
 
 
 # -----------------------------------------------------------------------------

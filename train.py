@@ -1,29 +1,33 @@
 """
-Pre-train the Nanochat GPT on FineWeb-Edu once per recipe (BF16, Quartet II, ...) and compare them.
+Pre-train the Nanochat GPT on FineWeb-Edu once per recipe (BF16, Quartet II, ...), compare them, and let them write.
 
     python train.py                          # BF16 vs Quartet II on one GPU, preset d12: ~5 minutes on an H200
-    python train.py --preset tiny            # a toy run on a CPU
-    python train.py --resume                 # continue the newest run (runs/latest)
+    python train.py --preset tiny            # a toy run on a CPU: a few minutes
+    python train.py --resume                 # continue the newest run (runs/latest), or extend it with more --steps
+    python train.py --sample "Photosynthesis is"   # the newest run's models continue a prompt; no training
     python train.py --data hf --preset d20   # stream HuggingFaceFW/fineweb-edu (needs the network)
     torchrun --nproc_per_node=8 train.py --device-batch 16   # 8 GPUs (DDP): 131k tokens a step, 16 x 1024 each
 
-Every recipe starts from the same weights and sees the same data in the same order. The table compares the final
-validation bits per byte (the target tokens' summed loss / (ln 2 * their UTF-8 bytes), end-of-text excluded: a
-measure of compression that does not depend on the tokenizer), the gap to BF16, tokens per second and peak memory.
+Every recipe starts from the same weights and sees the same data in the same order. The data: documents tokenized
+with GPT-2's BPE, each followed by end-of-text, concatenated and cut into windows of seq_len + 1 tokens. The bundled
+sample (4,788 training documents, 4.86M tokens, and 253 validation ones of FineWeb-Edu, ODC-By 1.0) is read in a new
+order each epoch; so is the stream of --data hf.
 
-Data: documents tokenized with GPT-2's BPE, each followed by end-of-text, concatenated and cut into windows of
-seq_len + 1 tokens. The bundled sample (4,788 training documents, 4.86M tokens, and 253 validation ones of
-FineWeb-Edu, ODC-By 1.0) is read in a new order each epoch: the d12 preset's 18.4M tokens make ~3.8 passes over it.
 A step: micro-batches of --device-batch windows add up their gradients until --batch-tokens tokens (across all
-GPUs), then Muon and AdamW step (model.py); the learning rate warms up, stays, and decays to 0 over the last
---warmdown of the steps. On a GPU the model is compiled, and on one GPU each micro-batch's forward + backward is
+GPUs), then Muon and AdamW step (model.py). The learning rate warms up, stays, then decays to 0 over the last
+--warmdown of the steps. On a GPU the model is compiled. On one GPU each micro-batch's forward + backward is also
 captured in a CUDA graph: the host could not issue a quantized micro-batch's hundreds of kernels as fast as they run.
 
-Nothing is lost. A run lives in runs/<date>-<time>-<id> (runs/latest: the newest; or --out): run.json (its id, the
-flags that define it, the data's fingerprint), metrics.jsonl, a checkpoint per recipe, summary.json and loss.png.
-Each file is written to a temporary one, flushed and renamed, so that a crash or a full disk keeps the previous
-version; a lock keeps a second process out. --resume continues every recipe exactly (bit for bit on a CPU, and on a
-GPU with --deterministic) once the checkpoints, flags and data are the run's. A non-finite loss stops the run.
+A run lives in runs/<date>-<time>-<id> (or --out); runs/latest names the newest that has trained a step. It holds
+run.json (its id, the flags that define it, the data's fingerprint), metrics.jsonl, a checkpoint per recipe,
+summary.json and loss.png. Nothing is lost: a file is written whole to FILE.tmp, then renamed over FILE, so a crash
+or a full disk keeps the previous version; a lock keeps a second process out. --resume continues every recipe exactly
+(bit for bit on a CPU; on a GPU with --deterministic), and only with the run's flags, data and checkpoints. A toy run
+(preset tiny) deletes its checkpoints when done: they are ~100x the rest.
+
+The table compares the final validation bits per byte: the target tokens' summed loss / (ln 2 * their UTF-8 bytes),
+end-of-text excluded, a measure of compression that does not depend on the tokenizer. Then every model continues the
+same prompts with the same random draws; summary.json keeps the table and these samples.
 """
 
 import argparse
@@ -39,8 +43,8 @@ import json
 import math
 import os
 import random
-import re
 import sys
+import textwrap
 import time
 import uuid
 
@@ -56,23 +60,25 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 TOKENIZER_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # OpenAI's r50k_base.tiktoken
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 EOT = 50256
+FLOAT32_MAX = torch.finfo(torch.float32).max
 RUNS = "runs"
 PRESETS = {  # a flat set of defaults per size; any flag given on the command line wins
-    "tiny": dict(depth=2, seq_len=128, device_batch=8, batch_tokens=1024, steps=40, eval_every=20, eval_tokens=8192),
+    "tiny": dict(depth=2, seq_len=128, device_batch=8, batch_tokens=1024, steps=40, eval_every=20, eval_tokens=8192,
+                 keep_checkpoints=False),
     "small": dict(depth=4, seq_len=512, device_batch=64, batch_tokens=2**16, steps=200, eval_every=50,
-                  eval_tokens=2**18),
+                  eval_tokens=2**18, keep_checkpoints=True),
     "d12": dict(depth=12, seq_len=1024, device_batch=32, batch_tokens=2**17, steps=140, eval_every=35,
-                eval_tokens=2**18),
+                eval_tokens=2**18, keep_checkpoints=True),
     "d20": dict(depth=20, seq_len=2048, device_batch=32, batch_tokens=2**19, steps=2000, eval_every=250,
-                eval_tokens=2**20),
+                eval_tokens=2**20, keep_checkpoints=True),
 }
 # The flags that define a run: --resume refuses to change them (--steps may grow: that extends the run).
 # (the validation windows are a multiple of --device-batch: changing it would change the validation set).
 RUN_FLAGS = ("depth", "seq_len", "batch_tokens", "device_batch", "warmup_steps", "warmdown", "lr_matrix",
              "lr_embedding", "lr_head", "eval_tokens", "data", "hf_dataset", "hf_config", "hf_files", "val_docs",
              "dtype", "seed")
-RUN_FILES = ("metrics.jsonl", "summary.json", "loss.png", "run.json")  # and a checkpoint.pt per recipe
-TEMPORARY = re.compile(r"^(run\.json|metrics\.jsonl|summary\.json|loss\.png|checkpoint\.pt)\.\d+\.tmp$")
+PROMPTS = ("Photosynthesis is the process", "The French Revolution began")  # every model continues these at the end
+TEMPERATURE, TOP_K = 0.8, 200  # of the samples, as nanoGPT's
 
 
 class TrainingError(Exception):
@@ -86,11 +92,8 @@ class TrainingError(Exception):
 def gpt2_tokenizer(path=os.path.join(DATA_DIR, "gpt2.tiktoken")):
     """GPT-2's BPE from the shipped file (a token's bytes in base64 and its rank per line), checked against its SHA-256
     (tiktoken's own loader keeps an unchecked copy in a shared cache)."""
-    try:
-        with open(path, "rb") as f:
-            content = f.read()
-    except OSError as error:
-        raise TrainingError(f"tokenizer {path} is unreadable ({error.strerror}); it ships in data/") from None
+    with open(path, "rb") as f:
+        content = f.read()
     if hashlib.sha256(content).hexdigest() != TOKENIZER_SHA256:
         raise TrainingError(f"{path} is not GPT-2's vocabulary (its SHA-256 differs); restore it from the repository")
     ranks = {base64.b64decode(token): int(rank) for token, rank in map(bytes.split, content.splitlines())}
@@ -109,29 +112,31 @@ def local_files(data_dir, split):
 def local_texts(split, data_dir=DATA_DIR):
     """The bundled sample's texts (gzipped JSON lines with a "text" string)."""
     texts, files = [], local_files(data_dir, split)
-    if not files:
-        raise TrainingError(f"no {split} data in {data_dir} (the sample ships in data/; or use --data hf)")
     for name in files:
         try:
             with gzip.open(name, "rt", encoding="utf-8") as f:
                 texts += [json.loads(line)["text"] for line in f if line.strip()]
-            if not all(isinstance(text, str) for text in texts):
-                raise ValueError("a \"text\" that is not a string")
-        except (OSError, EOFError, ValueError, KeyError, TypeError) as error:
+            assert all(isinstance(text, str) for text in texts), "a \"text\" that is not a string"
+        except (OSError, EOFError, ValueError, KeyError, TypeError, AssertionError) as error:
             raise TrainingError(f"{name} is not gzipped JSON lines with a \"text\" string ({type(error).__name__}: "
                                 f"{error}); restore it from the repository") from None
+    if not texts:  # no files, or empty ones
+        raise TrainingError(f"no {split} documents in {data_dir} (the sample ships in data/; or use --data hf)")
     return texts
 
 
-def streamed_texts(path, name=None, data_files=None, skip=0):
-    """Texts streamed through Hugging Face `datasets` (a hub dataset, or local files with path="json")."""
+def streamed_texts(path, name=None, data_files=None, order=None):
+    """Texts streamed through Hugging Face `datasets` (a hub dataset, or local files with path="json"); with order =
+    (skip, seed, start), those after the first `skip`, shuffled with the seed through a buffer, from the start-th on."""
     try:
         import datasets
     except ImportError:
         raise TrainingError("--data hf streams through Hugging Face datasets: pip install datasets") from None
     try:
         stream = datasets.load_dataset(path, name=name, data_files=data_files, split="train", streaming=True)
-        for row in stream.skip(skip) if skip else stream:
+        if order:
+            stream = stream.skip(order[0]).shuffle(seed=order[1], buffer_size=10_000).skip(order[2])
+        for row in stream:
             if not isinstance(row.get("text"), str):
                 raise ValueError(f"a document without a \"text\" string: {str(row)[:80]}")
             yield row["text"]
@@ -141,9 +146,8 @@ def streamed_texts(path, name=None, data_files=None, skip=0):
 
 
 def data_sources(args, tokenizer):
-    """(training documents(epoch, start): an epoch's token arrays from document `start` on, validation token arrays,
-    the data's fingerprint): the bundled sample with the SHA-256 of its files, or the stream after its first
-    --val-docs documents, the validation split."""
+    """(documents(epoch, start): an epoch's token arrays from its start-th on, validation token arrays, fingerprint):
+    the bundled sample and its files' SHA-256, or the stream, whose first --val-docs documents are the validation."""
     if args.data == "local":
         digest, train, val = hashlib.sha256(), local_texts("train", args.data_dir), local_texts("val", args.data_dir)
         for name in local_files(args.data_dir, "train") + local_files(args.data_dir, "val"):
@@ -153,19 +157,23 @@ def data_sources(args, tokenizer):
     name = args.hf_config or None
     validation = list(itertools.islice(streamed_texts(args.hf_dataset, name, args.hf_files), args.val_docs))
 
-    def stream(number, start):  # restarted each epoch
-        texts = streamed_texts(args.hf_dataset, name, args.hf_files, skip=args.val_docs + start)
-        return (tokenize(tokenizer, [text])[0] for text in texts)
-    return stream, tokenize(tokenizer, validation), None  # a stream is named by its flags
+    def epoch_stream(epoch, start):
+        order = args.val_docs, epoch_seed(args.seed, epoch), start
+        return (tokenize(tokenizer, [text])[0] for text in streamed_texts(args.hf_dataset, name, args.hf_files, order))
+    return epoch_stream, tokenize(tokenizer, validation), None  # a stream is named by its flags
 
 
 def shuffled_epochs(documents, seed):
     """documents(epoch, start) over a fixed list, in a new order each epoch (reproducible from the seed)."""
     def epoch_documents(epoch, start):
         order = list(range(len(documents)))
-        random.Random(seed * 1000003 + epoch).shuffle(order)
+        random.Random(epoch_seed(seed, epoch)).shuffle(order)
         return (documents[i] for i in order[start:])
     return epoch_documents
+
+
+def epoch_seed(seed, epoch):  # the seed of an epoch's order: another for every epoch and every --seed
+    return seed * 1000003 + epoch
 
 
 class Windows:
@@ -208,9 +216,8 @@ def validation_windows(documents, seq_len, count, multiple=1, bytes_per_token=No
     tokens = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)
     count = min(count, len(tokens) // (seq_len + 1)) // multiple * multiple
     if count == 0:
-        raise TrainingError(f"the validation split must hold at least {multiple} window(s) of seq_len + 1 = "
-                            f"{seq_len + 1} tokens (--eval-tokens {multiple * seq_len} or more, or a smaller "
-                            f"--device-batch)")
+        raise TrainingError(f"the validation split holds no {multiple} window(s) of {seq_len + 1} tokens: raise "
+                            f"--eval-tokens to {multiple * seq_len}, or lower --device-batch")
     windows = torch.from_numpy(tokens[:count * (seq_len + 1)].astype(np.int64)).view(count, seq_len + 1)
     if bytes_per_token is not None and bytes_per_token[windows[:, 1:]].sum() == 0:
         raise TrainingError("the validation documents hold no text, only end-of-text tokens")
@@ -235,28 +242,29 @@ def bpb_sums(losses, targets, bytes_per_token):
 
 
 class Processes:
-    """This process's device and rank, and the number of processes (DDP under torchrun; else one)."""
+    """This process's device and rank among the run's processes (DDP under torchrun; else one process)."""
 
     def __init__(self, device):
+        rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
+        self.distributed = rank is not None
         try:  # torchrun's environment, or none
-            self.rank, self.world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-            assert 0 <= self.rank < self.world and ("RANK" in os.environ) == ("WORLD_SIZE" in os.environ)
+            self.rank, self.world = int(rank or 0), int(world or 1)
+            assert 0 <= self.rank < self.world and (world is None) == (rank is None)
         except (ValueError, AssertionError):
-            raise TrainingError(f"RANK={os.environ.get('RANK')} and WORLD_SIZE={os.environ.get('WORLD_SIZE')} are not "
-                                f"a process of a group: start several processes with torchrun") from None
-        self.distributed = "RANK" in os.environ
+            raise TrainingError(f"RANK={rank} and WORLD_SIZE={world} are not a process of a group: start several "
+                                f"processes with torchrun") from None
         try:
             self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
         except RuntimeError:
             raise TrainingError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
-        if self.device.type == "cuda":
+        if self.device.type not in ("cpu", "cuda"):
+            raise TrainingError(f"--device {device}: train.py runs on cpu or cuda")
+        if self.device.type == "cuda":  # cuda alone: under torchrun the process's LOCAL_RANK, else GPU 0
             index = int(os.environ.get("LOCAL_RANK", 0)) if self.device.index is None else self.device.index
             if index >= torch.cuda.device_count():
                 raise TrainingError(f"--device {device}: PyTorch sees {torch.cuda.device_count()} CUDA GPU(s)")
+            torch.cuda.set_device(index)
             self.device = torch.device("cuda", index)
-            torch.cuda.set_device(self.device)
-        elif self.device.type != "cpu":
-            raise TrainingError(f"--device {device}: train.py runs on cpu or cuda")
         if self.distributed and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
@@ -275,10 +283,13 @@ class Processes:
         return values
 
 
+def autocast(device, dtype):
+    return torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
+
+
 def compile_model(model):
-    """torch.compile the whole model as one graph (fullgraph: a graph break is an error, not a slowdown), from an empty
-    cache: it compiles GPT.forward again for each new model (every recipe, every seed of one process) and for
-    evaluation, and under fullgraph the eighth recompilation is an error."""
+    """torch.compile as one graph (fullgraph: a graph break is an error, not a slowdown), from an empty cache: under
+    fullgraph, the eighth recompilation of GPT.forward (each new model, and evaluation, makes one) is an error."""
     torch.compiler.reset()
     return torch.compile(model, fullgraph=True, dynamic=False)
 
@@ -286,8 +297,7 @@ def compile_model(model):
 def cuda_graph(fn, warmups=3):
     """fn (static tensors in and out) captured in a CUDA graph: (replay, fn's output, refreshed by each replay). The
     warm-ups (which compile) run on a side stream, as torch.cuda.graph requires. Each replay draws its randomness anew
-    and adds into gradients that existed before the capture; fn's temporaries live in the graph's own memory, which a
-    captured d12 micro-batch needed no more of than an uncaptured one."""
+    and adds into gradients that existed before the capture."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -306,10 +316,8 @@ def micro_batch_step(model, trained, args, device, micro_batches):
     """tokens -> loss: one micro-batch's forward and backward (its share of the step's mean loss); with --cuda-graph
     captured on a static token buffer, the random state put back after the warm-up and the capture so that a
     captured run draws what an uncaptured one draws."""
-    dtype = getattr(torch, args.dtype)
-
     def forward_backward(tokens):
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+        with autocast(device, args.dtype):
             loss = trained(tokens[:, :-1], tokens[:, 1:])
         (loss / micro_batches).backward()
         return loss.detach()
@@ -333,117 +341,74 @@ def micro_batch_step(model, trained, args, device, micro_batches):
 def evaluate(model, windows, bytes_per_token, processes, args):
     """Validation bits per byte over the fixed validation windows (each rank takes a share)."""
     model.eval()
-    device, dtype = processes.device, getattr(torch, args.dtype)
-    sums = torch.zeros(2, dtype=torch.float64, device=device)  # losses, bytes
-    with torch.no_grad(), torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+    sums = torch.zeros(2, dtype=torch.float64, device=processes.device)  # losses, bytes
+    with torch.no_grad(), autocast(processes.device, args.dtype):
         for batch in windows[processes.rank::processes.world].split(args.device_batch):
-            batch = batch.to(device)
+            batch = batch.to(processes.device)
             losses = model(batch[:, :-1], batch[:, 1:], reduction="none")
-            sums += torch.stack(bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token.to(device)))
+            sums += torch.stack(bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token.to(processes.device)))
     model.train()
     loss_sum, byte_sum = processes.all_sum(sums).tolist()
     return loss_sum / (math.log(2) * byte_sum)
 
 
 # -----------------------------------------------------------------------------
-# Training one recipe
+# Training one recipe: its setup, its steps, its checkpoints
 
 
-def train_recipe(recipe, args, processes, data, run_id, progress):
-    """Train one recipe from scratch or from its checkpoint; return its row of the table (None if --stop-after
-    stopped it)."""
-    documents, validation, bytes_per_token = data
-    device, rank, world = processes.device, processes.rank, processes.world
-    path = os.path.join(args.out, recipe, "checkpoint.pt")
-    checkpoint = load_checkpoint(path, run_id, recipe) if args.resume and os.path.exists(path) else None
+def train_recipe(recipe, args, processes, data, run_id):
+    """Train one recipe from its first step or its checkpoint: its row of the table (None if --stop-after stops it)."""
+    (documents, validation, bytes_per_token), device, cuda = data, processes.device, processes.device.type == "cuda"
+    model, optimizers, checkpoint = setup_recipe(recipe, args, processes, run_id)
     start = checkpoint["step"] if checkpoint else 0
-    if start > args.steps:
-        raise TrainingError(f"[{recipe}] --steps {args.steps} is below its checkpoint's step {start}: a run can be "
-                            f"extended, not shortened")
-    progress["total"] -= start
-    torch.manual_seed(args.seed)  # the same initial weights for every recipe and rank
-    model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(device)
-    compiled = compile_model(model) if args.compile else model
-    adamw, muon = make_optimizers(model, args.lr_matrix, args.lr_embedding, args.lr_head)
     windows = Windows(documents, args.seq_len, checkpoint and checkpoint["data"])
-    torch.manual_seed(args.seed + 1 + rank)  # the quantization's randomness differs across ranks
-    history = dict(tokens_per_s=[], final_bpb=None, peak_memory_gb=None, lowest_loss=math.inf)
-    if checkpoint:
-        model.load_state_dict(checkpoint["model"])
-        adamw.load_state_dict(checkpoint["adamw"])
-        muon.load_state_dict(checkpoint["muon"])
-        torch.set_rng_state(checkpoint["rng"][rank]["cpu"])
-        if device.type == "cuda":
-            torch.cuda.set_rng_state(checkpoint["rng"][rank]["cuda"], device)
-        history = checkpoint["history"]
-        processes.log(f"[{recipe}] resumed from {path} at step {start}")
-    if rank == 0:
-        keep_metrics(args.out, recipe, start)
-    trained = torch.nn.parallel.DistributedDataParallel(
-        compiled, device_ids=[device.index] if device.type == "cuda" else None) if processes.distributed else compiled
-    if device.type == "cuda":
+    history = checkpoint["history"] if checkpoint else dict(tokens_per_s=[], final_bpb=None, peak_memory_gb=None,
+                                                            lowest_loss=math.inf)
+    trained = compile_model(model) if args.compile else model
+    if processes.distributed:
+        trained = torch.nn.parallel.DistributedDataParallel(trained, device_ids=[device.index] if cuda else None)
+    if cuda:
         torch.cuda.reset_peak_memory_stats(device)
-    micro_batch = None  # made at the first step (with --cuda-graph, that is when it is captured)
-
+    micro_batches = args.batch_tokens // (args.seq_len * args.device_batch * processes.world)
+    micro_batch = micro_batch_step(model, trained, args, device, micro_batches) if start < args.steps else None
+    seconds = []  # of each step of this invocation
     for step in range(start, args.steps):
         tic = time.time()
-        multiplier = lr_multiplier(step, args.steps, args.warmup_steps, args.warmdown)
-        for group in adamw.param_groups + muon.param_groups:
-            group["lr"] = group["initial_lr"] * multiplier
-        muon.param_groups[0]["momentum"] = 0.85 + 0.10 * min(step / 300, 1)  # Muon's momentum warms up
-        batch = windows.next_batch(args.batch_tokens // args.seq_len)[rank::world]
-        if device.type == "cuda":  # the step's windows in one copy that does not stop the host
-            batch = batch.pin_memory().to(device, non_blocking=True)
-        chunks = batch.split(args.device_batch)
-        micro_batch = micro_batch or micro_batch_step(model, trained, args, device, len(chunks))
-        loss_sum = torch.zeros((), device=device)
-        for i, chunk in enumerate(chunks):
-            last = i == len(chunks) - 1  # DDP all-reduces the gradients on the last micro-batch only
-            with trained.no_sync() if processes.distributed and not last else contextlib.nullcontext():
-                loss_sum += micro_batch(chunk)
-        adamw.step()
-        muon.step()
-        model.zero_grad(set_to_none=not args.cuda_graph)  # a captured backward adds into the same tensors
-        # The loss is read only now, so that the host queued the optimizer while the GPU finished the backward. A
-        # non-finite loss has then spoiled the weights, but they are never saved: the last checkpoint stays good.
-        loss = processes.all_sum(loss_sum).item() / (len(chunks) * world)
-        if not math.isfinite(loss):
-            raise TrainingError(f"[{recipe}] non-finite loss ({loss}) at step {step + 1}; stopping. The last good "
-                                f"checkpoint (if any) is kept at {path}")
-        if device.type == "cuda":
+        batch = windows.next_batch(args.batch_tokens // args.seq_len)[processes.rank::processes.world]
+        loss, multiplier = train_step(model, trained, optimizers, micro_batch, batch, step, args, processes)
+        loss = loss.item()  # read only now, so that the host queued the optimizer while the GPU finished the backward
+        if not math.isfinite(loss):  # the weights it spoiled are never saved: the last checkpoint stays good
+            raise TrainingError(f"[{recipe}] non-finite loss ({loss}) at step {step + 1}; stopped, checkpoint kept")
+        if cuda:
             torch.cuda.synchronize(device)
             history["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
-        seconds = time.time() - tic
+        seconds.append(time.time() - tic)
         if step - start >= 3:  # compilation and warm-up stay out of the throughput
-            history["tokens_per_s"].append(args.batch_tokens / seconds)
+            history["tokens_per_s"].append(args.batch_tokens / seconds[-1])
         history["lowest_loss"] = min(history["lowest_loss"], loss)
-        progress["done"] += 1
-        remaining = (time.time() - progress["began"]) / progress["done"] * (progress["total"] - progress["done"])
-        processes.log(f"[{recipe}] step {step + 1:5d}/{args.steps} | loss {loss:.4f} | lr x{multiplier:.2f} | "
-                      f"{seconds * 1000:7.1f} ms | {args.batch_tokens / seconds:,.0f} tok/s | "
-                      f"run eta {remaining / 60:.1f} min")
+        # The time left at this recipe's median step (not its first, which compiles); the recipes after it at its pace
+        pace, left = sorted(seconds)[len(seconds) // 2] / 60, args.steps - step - 1
+        later = args.steps * (len(args.recipes) - 1 - args.recipes.index(recipe))
+        processes.log(f"[{recipe}] step {step + 1:5d}/{args.steps} | loss {loss:.4f} | {seconds[-1] * 1000:.0f} ms, "
+                      f"{args.batch_tokens / seconds[-1]:,.0f} tok/s | eta {left * pace:.1f} min, run ~"
+                      f"{(left + later) * pace:.1f} min")
         record = dict(run_id=run_id, recipe=recipe, step=step + 1, loss=loss, lr_multiplier=multiplier,
-                      tokens_per_s=args.batch_tokens / seconds)
+                      tokens_per_s=args.batch_tokens / seconds[-1])
         if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
             record["val_bpb"] = history["final_bpb"] = evaluate(trained, validation, bytes_per_token, processes, args)
             processes.log(f"[{recipe}] step {step + 1}: validation bpb {record['val_bpb']:.4f}")
-        if rank == 0:
-            append_metrics(args.out, record)
         stopping = args.stop_after and step + 1 - start >= args.stop_after and step + 1 < args.steps
         if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps or stopping:
-            rng = processes.gather(dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device)
-                                        if device.type == "cuda" else None))  # every rank resumes its own
-            if not all(torch.isfinite(p).all() for p in model.parameters()):
-                raise TrainingError(f"[{recipe}] non-finite weights at step {step + 1}; stopping. The last good "
-                                    f"checkpoint (if any) is kept at {path}")
-            if rank == 0:
-                save_checkpoint(path, dict(run_id=run_id, recipe=recipe, step=step + 1, model=model.state_dict(),
-                                           adamw=adamw.state_dict(), muon=muon.state_dict(),
-                                           data=windows.state_dict(), rng=rng, history=history))
+            record["checkpoint"] = True  # appended once the checkpoint is written: a recipe that had one says so
+            save_recipe(recipe, model, optimizers, windows, history, record, args, processes)
+        if processes.rank == 0:
+            with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
+                f.write(json.dumps(record) + "\n")
+            if args.new_dir and step == 0 and recipe == args.recipes[0]:
+                make_latest(args.out)  # a run becomes runs/latest once it has trained a step
         if stopping:
             processes.log(f"[{recipe}] stopped after {args.stop_after} steps as asked; continue with --resume")
             return None
-
     if args.steps >= args.warmup_steps + 3 and history["lowest_loss"] >= 0.99 * math.log(GPT2_VOCAB):
         raise TrainingError(f"[{recipe}] the model did not learn (its loss never fell 1% below ln(vocabulary) = "
                             f"{math.log(GPT2_VOCAB):.2f}); lower the learning rates")
@@ -451,6 +416,57 @@ def train_recipe(recipe, args, processes, data, run_id, progress):
     return dict(recipe=recipe, val_bpb=history["final_bpb"], steps=args.steps, tokens=args.steps * args.batch_tokens,
                 peak_memory_gb=history["peak_memory_gb"],
                 tokens_per_s=sum(throughput) / len(throughput) if throughput else None)
+
+
+def setup_recipe(recipe, args, processes, run_id):
+    """(model, (AdamW, Muon), checkpoint): the seed's initial weights, the same for every recipe and rank, or the
+    recipe's checkpoint with its optimizers' and random states. A recipe without one starts over, unless
+    metrics.jsonl says it wrote one: starting over would discard its steps."""
+    path, records = checkpoint_path(args.out, recipe), read_metrics(args.out)
+    checkpoint = load_checkpoint(path, run_id, recipe) if os.path.exists(path) else None  # a new run holds none
+    if not checkpoint and (written := [r["step"] for r in records if r["recipe"] == recipe and r.get("checkpoint")]):
+        raise TrainingError(f"[{recipe}] its checkpoint of step {written[-1]} is gone ({path}): restore it, or start "
+                            f"a new run (a tiny run deletes its checkpoints when done, unless --keep-checkpoints)")
+    if checkpoint and checkpoint["step"] > args.steps:
+        raise TrainingError(f"[{recipe}] --steps {args.steps} is below its checkpoint's step {checkpoint['step']}: a "
+                            f"run can be extended, not shortened")
+    torch.manual_seed(args.seed)
+    model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(processes.device)
+    adamw, muon = make_optimizers(model, args.lr_matrix, args.lr_embedding, args.lr_head)
+    torch.manual_seed(args.seed + 1 + processes.rank)  # the quantization's randomness differs across ranks
+    if checkpoint:
+        for part, state in ((model, "model"), (adamw, "adamw"), (muon, "muon")):
+            part.load_state_dict(checkpoint[state])
+        torch.set_rng_state(checkpoint["rng"][processes.rank]["cpu"])
+        if processes.device.type == "cuda":
+            torch.cuda.set_rng_state(checkpoint["rng"][processes.rank]["cuda"], processes.device)
+        processes.log(f"[{recipe}] resumed at step {checkpoint['step']}")
+    if processes.rank == 0:  # its records after the checkpoint go (it writes them again), and partial lines
+        kept = [r for r in records if r["recipe"] != recipe or checkpoint and r["step"] < checkpoint["step"]]
+        kept += [checkpoint["record"]] if checkpoint else []  # a kill may have come between it and its record
+        write_atomically(os.path.join(args.out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in kept).encode())
+    return model, (adamw, muon), checkpoint
+
+
+def train_step(model, trained, optimizers, micro_batch, batch, step, args, processes):
+    """One optimizer step on this rank's windows: the schedule's learning rate, the micro-batches' gradients added up
+    (DDP all-reduces them at the last), AdamW and Muon. (The mean loss over all ranks, not read yet; the lr factor.)"""
+    adamw, muon = optimizers
+    multiplier = lr_multiplier(step, args.steps, args.warmup_steps, args.warmdown)
+    for group in adamw.param_groups + muon.param_groups:
+        group["lr"] = group["initial_lr"] * multiplier
+    muon.param_groups[0]["momentum"] = 0.85 + 0.10 * min(step / 300, 1)  # Muon's momentum warms up
+    if processes.device.type == "cuda":  # the step's windows in one copy that does not stop the host
+        batch = batch.pin_memory().to(processes.device, non_blocking=True)
+    chunks = batch.split(args.device_batch)
+    loss_sum = torch.zeros((), device=processes.device)
+    for i, chunk in enumerate(chunks):
+        with trained.no_sync() if processes.distributed and i < len(chunks) - 1 else contextlib.nullcontext():
+            loss_sum += micro_batch(chunk)
+    adamw.step()
+    muon.step()
+    model.zero_grad(set_to_none=not args.cuda_graph)  # a captured backward adds into the same tensors
+    return processes.all_sum(loss_sum) / (len(chunks) * processes.world), multiplier
 
 
 def lr_multiplier(step, steps, warmup, warmdown):
@@ -461,156 +477,174 @@ def lr_multiplier(step, steps, warmup, warmdown):
     return 1.0 if step < decay_start else max(0.0, (steps - step) / (steps - decay_start))
 
 
+def save_recipe(recipe, model, optimizers, windows, history, record, args, processes):
+    """The recipe's checkpoint, with every rank's random state (each resumes its own), if its weights are finite."""
+    rng = processes.gather(dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(processes.device)
+                                if processes.device.type == "cuda" else None))
+    if not all(torch.isfinite(p).all() for p in model.parameters()):
+        raise TrainingError(f"[{recipe}] non-finite weights at step {record['step']}; stopped, checkpoint kept")
+    if processes.rank == 0:
+        save_checkpoint(checkpoint_path(args.out, recipe), dict(
+            run_id=record["run_id"], recipe=recipe, step=record["step"], model=model.state_dict(),
+            adamw=optimizers[0].state_dict(), muon=optimizers[1].state_dict(), data=windows.state_dict(), rng=rng,
+            history=history, record=record))
+
+
 # -----------------------------------------------------------------------------
-# The run directory: where a run lives, and how nothing in it is lost
+# The run's directory: where a run lives, and how nothing in it is lost
 
 
 def open_run(args, processes, fingerprint):
-    """(the run's id, the lock's release). Rank 0 decides for every rank: it chooses OUT (a new runs/<date>-<time>-<id>,
-    which becomes runs/latest; --out; or for --resume runs/latest), locks it with an flock the OS drops when its
-    process ends, even by a crash, removes what a killed run left half-written, and checks or writes run.json."""
-    release, outcome = None, None
+    """(the run's id, its lock). Rank 0 decides for every rank: OUT is a new runs/<date>-<time>-<id>, --out, or with
+    --resume runs/latest; it is locked, and its run.json checked (--resume) or written."""
+    outcome, lock = (None, None), None
     if processes.rank == 0:
-        fresh = args.out is None and not args.resume
-        out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}") if fresh else \
+        out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}") if args.new_dir else \
             os.path.realpath(args.out or os.path.join(RUNS, "latest"))
         try:
-            if args.resume and not os.path.isfile(os.path.join(out, "run.json")):
-                raise TrainingError(f"nothing to resume: {out}/run.json not found (name the run's directory with "
-                                    f"--out)")
-            try:
-                os.makedirs(out, exist_ok=True)
-                held = open(os.path.join(out, ".lock"), "a")
-            except OSError as error:
-                raise TrainingError(f"--out {out} is not a writable directory ({error.strerror})") from None
-            try:
-                fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                held.close()
-                raise TrainingError(f"{out} is in use by another run; wait for it or use another --out") from None
-            release = held.close
-            for directory in [out] + [os.path.join(out, recipe) for recipe in RECIPES]:
-                for name in os.listdir(directory) if os.path.isdir(directory) else []:
-                    if TEMPORARY.match(name):  # this program's temporary files only, and none is being written
-                        os.remove(os.path.join(directory, name))
-            outcome = out, check_run(args, out, processes.world, fingerprint)
-            if fresh:
-                latest = os.path.join(RUNS, "latest")
-                if os.path.islink(latest) or not os.path.exists(latest):
-                    with contextlib.suppress(FileNotFoundError):
-                        os.remove(f"{latest}.tmp")
-                    os.symlink(os.path.basename(out), f"{latest}.tmp")
-                    os.replace(f"{latest}.tmp", latest)  # atomically
-        except (TrainingError, OSError) as error:
+            run = read_run(out, "resume") if args.resume else None
+            lock = lock_run(out)
+            outcome = out, check_run(args, out, run, processes.world, fingerprint)
+        except TrainingError as error:
             outcome = None, str(error)
     args.out, answer = processes.gather(outcome)[0]
     if args.out is None:
-        if release:
-            release()
+        if lock is not None:
+            os.close(lock)
         raise TrainingError(answer)
-    return answer, release
+    return answer, lock
 
 
-def check_run(args, out, world, fingerprint):
-    """The run's id: with --resume OUT/run.json's, whose flags and data must be the ones given; else a new run's,
-    written to OUT/run.json. A new run takes only an empty directory, or one whose run it replaces with --overwrite
-    (removing that run's files, and only those)."""
-    path = os.path.join(out, "run.json")
-    for recipe in args.recipes:  # found before any training, not when its first checkpoint is written
-        if os.path.lexists(folder := os.path.join(out, recipe)) and not os.path.isdir(folder):  # a broken link too
-            raise TrainingError(f"{folder} is not a directory, and {recipe}'s checkpoints go there; move it away")
+def lock_run(out):
+    """An flock on OUT/.lock, which keeps a second process out (the OS drops it when the process ends, even by a
+    crash). A directory of files but no run is refused first, untouched; a .lock that is a link is not followed."""
+    try:
+        names = set(os.listdir(out)) if os.path.isdir(out) else set()
+        if "run.json" not in names and names - {".lock", "run.json.tmp"}:  # .tmp: a run killed as it began
+            raise TrainingError(f"{out} holds files that are not a run of train.py; use an empty or new --out")
+        os.makedirs(out, exist_ok=True)
+        lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+    except OSError as error:
+        raise TrainingError(f"--out {out} is not a writable directory, or its .lock is not a file ({error.strerror})") \
+            from None
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return lock
+    except BlockingIOError:
+        os.close(lock)
+        raise TrainingError(f"{out} is in use by another run; wait for it or use another --out") from None
+
+
+def check_run(args, out, run, world, fingerprint):
+    """The run's id: with --resume its run.json's, whose flags and data must be the ones given; else a new run's,
+    written to OUT/run.json (with --overwrite over the run there, whose files, and only those, are removed)."""
+    for folder in (os.path.join(out, recipe) for recipe in args.recipes):  # a file, or a broken link
+        if os.path.lexists(folder) and not os.path.isdir(folder):
+            raise TrainingError(f"{folder} is not a directory, and checkpoints go there; move it away")
     flags = {name: getattr(args, name) for name in RUN_FLAGS if args.data == "hf" or not name.startswith(
         ("hf_", "val_"))} | dict(world=world)
-    if os.path.exists(path) and not args.overwrite:
-        try:
-            with open(path) as f:
-                run = json.load(f)
-            assert isinstance(run.get("run_id"), str) and isinstance(run.get("flags"), dict)
-        except (OSError, ValueError, AttributeError, AssertionError):
-            raise TrainingError(f"{path} is not a run.json of train.py; restore it, or start over with "
-                                f"--overwrite") from None
-        if not args.resume:
-            raise TrainingError(f"{out} holds a run: continue it with --resume, replace it with --overwrite, or "
-                                f"use another --out")
+    if run:
         changed = [f"--{name.replace('_', '-')} {run['flags'].get(name)!r} -> {value!r}"
                    for name, value in flags.items() if run["flags"].get(name) != value]
         if changed:
             raise TrainingError(f"--resume cannot change flags that define the run: {', '.join(changed)}")
         if run.get("data_sha256") != fingerprint:
-            raise TrainingError(f"the training data is not the run's (another --data-dir, or changed files); resume "
-                                f"with the data {out} was started with")
+            raise TrainingError("the training data is not the run's (another --data-dir, or changed files)")
         return run["run_id"]
-    if os.path.exists(path):  # --overwrite: the replaced run's files, and only those
-        for name in RUN_FILES[:3] + tuple(os.path.join(r, "checkpoint.pt") for r in RECIPES):
+    path = os.path.join(out, "run.json")
+    if os.path.exists(path) and not args.overwrite:
+        raise TrainingError(f"{out} holds a run: continue it with --resume, replace it with --overwrite, or use "
+                            f"another --out")
+    if args.overwrite:  # the replaced run's files, and only those
+        for name in ("metrics.jsonl", "summary.json", "loss.png", *(os.path.join(r, "checkpoint.pt") for r in RECIPES)):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(os.path.join(out, name))
-    elif set(os.listdir(out)) - {".lock"}:
-        raise TrainingError(f"{out} holds files that are not a run of train.py; use an empty or new --out")
     run = dict(run_id=uuid.uuid4().hex, flags=flags, data_sha256=fingerprint)
     write_atomically(path, json.dumps(run, indent=1).encode())
     return run["run_id"]
 
 
-def write_atomically(path, data):
-    """data (bytes) to a temporary file, flushed to the disk and renamed over path: a crash or a full disk leaves the
-    previous version intact, and on an error the temporary file goes and one line says why."""
-    temporary = f"{path}.{os.getpid()}.tmp"
+def read_run(out, purpose):
+    """OUT/run.json, to resume or sample its run: the run's id, the flags that define it, its data's fingerprint."""
+    if not os.path.isfile(path := os.path.join(out, "run.json")):
+        raise TrainingError(f"nothing to {purpose}: {path} not found (name the run's directory with --out)")
     try:
+        with open(path) as f:
+            run = json.load(f)
+        assert isinstance(run.get("run_id"), str) and {"depth", "seq_len", "dtype", "seed"} <= run["flags"].keys()
+        return run
+    except (ValueError, AttributeError, AssertionError, KeyError):
+        raise TrainingError(f"{path} is not a run.json of train.py; restore it, or start over with --overwrite") \
+            from None
+
+
+def make_latest(out):
+    """runs/latest -> OUT: a link made under this process's own name (runs started together must not collide), then
+    renamed over the old one, atomically. A directory that a user put there is left alone."""
+    latest, temporary = os.path.join(RUNS, "latest"), os.path.join(RUNS, f"latest.{os.getpid()}.tmp")
+    if os.path.islink(latest) or not os.path.exists(latest):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(temporary)
+        os.symlink(os.path.basename(out), temporary)
+        os.replace(temporary, latest)
+
+
+def write_atomically(path, *chunks):
+    """The bytes to path.tmp (the run's lock keeps out a second writer), flushed to the disk and renamed over path: a
+    crash or a full disk keeps the previous version; an error removes the temporary file and says why in one line."""
+    temporary, previous = f"{path}.tmp", os.path.exists(path)
+    try:
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(temporary, "wb") as f:
-            f.write(data)
+            f.writelines(chunks)
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
+        previous = False  # replaced
         directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
         os.fsync(directory)  # the rename itself made durable
         os.close(directory)
     except OSError as error:
         with contextlib.suppress(OSError):
             os.remove(temporary)
-        raise TrainingError(f"could not write {path} ({error.strerror or error}); its previous version is kept") \
-            from None
+        kept = "; its previous version is kept" if previous else ""
+        raise TrainingError(f"could not write {path} ({error.strerror or error}){kept}") from None
+
+
+def checkpoint_path(out, recipe):
+    return os.path.join(out, recipe, "checkpoint.pt")
 
 
 def save_checkpoint(path, state):
-    """torch.save's bytes of the state, and their SHA-256, in one file written atomically."""
-    buffer, outer = io.BytesIO(), io.BytesIO()
+    """torch.save's bytes after their SHA-256 (64 hexadecimal digits), written atomically."""
+    buffer = io.BytesIO()
     torch.save(state, buffer)
-    payload = torch.frombuffer(bytearray(buffer.getvalue()), dtype=torch.uint8)
-    torch.save(dict(payload=payload, sha256=hashlib.sha256(payload.numpy()).hexdigest()), outer)
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-    except OSError as error:
-        raise TrainingError(f"could not write {path} ({error.strerror})") from None
-    write_atomically(path, outer.getvalue())
+    write_atomically(path, hashlib.sha256(buffer.getbuffer()).hexdigest().encode(), buffer.getbuffer())
 
 
 def load_checkpoint(path, run_id=None, recipe=None):
-    """The checkpoint at path, checked: plain data (weights_only: no code runs), intact, of this run and recipe."""
+    """The checkpoint at path, checked: plain data (weights_only: no code runs), whole, of this run and recipe."""
     try:
-        outer = torch.load(path, map_location="cpu", weights_only=True)
-        intact = hashlib.sha256(outer["payload"].numpy()).hexdigest() == outer["sha256"]
-        state = torch.load(io.BytesIO(outer["payload"].numpy().tobytes()), map_location="cpu", weights_only=True)
-        owner = state["run_id"], state["recipe"]
-    except Exception as error:  # missing, empty, truncated or foreign: it fails in many ways
-        raise TrainingError(f"checkpoint {path} is unreadable ({type(error).__name__}); delete it to restart that "
-                            f"recipe") from None
-    if not intact:
-        raise TrainingError(f"checkpoint {path} is corrupt (its checksum does not match); delete it to restart")
-    if run_id not in (None, owner[0]):
-        raise TrainingError(f"checkpoint {path} belongs to another run; delete it, or use another --out")
-    if recipe not in (None, owner[1]):
-        raise TrainingError(f"checkpoint {path} is the {owner[1]} recipe's, not {recipe}'s; delete it")
+        with open(path, "rb") as f:
+            digest, payload = f.read(64), f.read()
+        state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
+        owner = state["run_id"], state["recipe"], state["step"], state["model"]
+    except FileNotFoundError:
+        raise TrainingError(f"checkpoint {path} not found") from None
+    except Exception as error:  # empty, truncated or foreign: it fails in many ways
+        raise TrainingError(f"checkpoint {path} is unreadable ({type(error).__name__}): not train.py's") from None
+    for bad, problem in ((hashlib.sha256(payload).hexdigest().encode() != digest, "is corrupt (its checksum differs)"),
+                         (run_id not in (None, owner[0]), "belongs to another run"),
+                         (recipe not in (None, owner[1]), f"is the {owner[1]} recipe's, not {recipe}'s")):
+        if bad:
+            raise TrainingError(f"checkpoint {path} {problem}; restore the run's, or start over")
     return state
 
 
 def read_metrics(out):
     """The records of OUT/metrics.jsonl; a line that is not one (a crash while writing) is skipped."""
     path, records = os.path.join(out, "metrics.jsonl"), []
-    try:
-        lines = open(path, errors="replace").readlines() if os.path.exists(path) else []
-    except OSError as error:
-        raise TrainingError(f"{path} is unreadable ({error.strerror})") from None
-    for line in lines:
+    for line in open(path, errors="replace").readlines() if os.path.exists(path) else []:
         with contextlib.suppress(ValueError, AttributeError):
             record = json.loads(line)
             if isinstance(record.get("recipe"), str) and isinstance(record.get("step"), int) and isinstance(
@@ -619,26 +653,13 @@ def read_metrics(out):
     return records
 
 
-def append_metrics(out, record):
-    try:
-        with open(os.path.join(out, "metrics.jsonl"), "a") as f:
-            f.write(json.dumps(record) + "\n")
-    except OSError as error:
-        raise TrainingError(f"could not write {out}/metrics.jsonl ({error.strerror})") from None
-
-
-def keep_metrics(out, recipe, step):
-    """Drop the recipe's records after `step` (a resumed run writes them again) and partial lines."""
-    kept = [r for r in read_metrics(out) if r["recipe"] != recipe or r["step"] <= step]
-    write_atomically(os.path.join(out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in kept).encode())
-
-
 # -----------------------------------------------------------------------------
 # The comparison
 
 
 def summarize(rows, processes, args, run_id):
-    """The table and how to read it; OUT/summary.json and OUT/loss.png."""
+    """The table and how to read it, every model's samples; OUT/summary.json and OUT/loss.png; unless kept, the
+    checkpoints deleted."""
     baseline = next((r["val_bpb"] for r in rows if r["recipe"] == "bf16"), None)
     processes.log(f"\n{'recipe':<14}{'val bpb':>10}{'gap to bf16':>13}{'tokens/s':>12}{'peak memory':>13}")
     for r in rows:
@@ -648,20 +669,28 @@ def summarize(rows, processes, args, run_id):
         speed = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"  # measured after 3 steps
         processes.log(f"{r['recipe']:<14}{r['val_bpb']:>10.4f}{gap:>13}{speed:>12}{memory:>13}")
     device, emulated = processes.device, not native_fp4_available(processes.device)
-    processes.log("One seed per recipe: at small sizes a gap of a few tenths of a percent is within the noise between "
-                  "seeds (bench.py study measures it).\n" + (
-                      "On a CPU the quantized recipes run PyTorch's reference code: their tokens/s say nothing about "
-                      "NVFP4 on a GPU." if device.type == "cpu" else "This GPU has no FP4 tensor cores: NVFP4 is "
-                      "emulated (BF16 GEMMs on the dequantized values), so the quantized recipes pay for quantizing "
-                      "without faster GEMMs." if emulated else "The NVFP4 GEMMs ran on FP4 tensor cores."))
-    if processes.rank == 0:
-        summary = dict(run_id=run_id, rows=rows, date=time.strftime("%Y-%m-%d"), args=vars(args),
-                       device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                       world_size=processes.world, torch=torch.__version__, emulated_nvfp4=emulated)
-        write_atomically(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1, default=str).encode())
-        plot(args.out, f"train.py run {run_id[:8]}, {summary['device']}, {summary['date']}")
-        size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(args.out) for name in names)
-        print(f"{args.out}: {size / 1e6:,.0f} MB, mostly checkpoints kept for --resume (delete it when done)")
+    processes.log("One seed per recipe: at small sizes, gaps of a few tenths of a percent are noise (bench.py study "
+                  "measures it).\n" + ("On a CPU the quantized recipes run PyTorch's reference code: their tokens/s "
+                  "say nothing of NVFP4 on a GPU." if device.type == "cpu" else "This GPU has no FP4 tensor cores: "
+                  "the quantized recipes pay for quantizing without faster (BF16) GEMMs." if emulated else "The "
+                  "NVFP4 GEMMs ran on FP4 tensor cores."))
+    if processes.rank != 0:
+        return
+    samples = recipe_samples(args, processes, run_id, args.recipes, PROMPTS)
+    print(f"\nEvery model continues the same prompts with the same draws (temperature {TEMPERATURE}, top {TOP_K}):")
+    print_samples(samples, PROMPTS)
+    summary = dict(run_id=run_id, rows=rows, prompts=PROMPTS, samples=samples, date=time.strftime("%Y-%m-%d"),
+                   args=vars(args), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+                   world_size=processes.world, torch=torch.__version__, emulated_nvfp4=emulated)
+    write_atomically(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1, default=str).encode())
+    plot(args.out, f"train.py run {run_id[:8]}, {summary['device']}, {summary['date']}")
+    if not args.keep_checkpoints:
+        for recipe in args.recipes:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(checkpoint_path(args.out, recipe))
+    size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(args.out) for name in names)
+    print(f"\n{args.out}: {size / 1e6:,.1f} MB, " + ("its checkpoints kept for --resume and --sample (delete it when "
+          "done)" if args.keep_checkpoints else "its checkpoints deleted (--keep-checkpoints keeps them)"))
 
 
 def pyplot():
@@ -679,23 +708,68 @@ def plot(out, provenance):
     """Training loss and validation bpb per recipe to OUT/loss.png, the run named in the image's metadata."""
     if (plt := pyplot()) is None:
         return
-    records = read_metrics(out)
-    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    records, (figure, axes) = read_metrics(out), plt.subplots(1, 2, figsize=(11, 4))
     for recipe in dict.fromkeys(r["recipe"] for r in records):
         mine = [r for r in records if r["recipe"] == recipe]
-        evals = [r for r in mine if "val_bpb" in r]
-        left.plot([r["step"] for r in mine], [r["loss"] for r in mine], label=recipe, linewidth=0.8)
-        right.plot([r["step"] for r in evals], [r["val_bpb"] for r in evals], marker="o", label=recipe)
-    left.set(xlabel="step", ylabel="training loss (nats/token)", yscale="log")
-    right.set(xlabel="step", ylabel="validation bits per byte")
-    for axes in (left, right):
-        axes.legend()
-        axes.grid(alpha=0.3)
+        axes[0].plot([r["step"] for r in mine], [r["loss"] for r in mine], label=recipe, linewidth=0.8)
+        axes[1].plot(*zip(*[(r["step"], r["val_bpb"]) for r in mine if "val_bpb" in r]), marker="o", label=recipe)
+    axes[0].set(xlabel="step", ylabel="training loss (nats/token)", yscale="log")
+    axes[1].set(xlabel="step", ylabel="validation bits per byte")
+    for side in axes:
+        side.legend()
+        side.grid(alpha=0.3)
     figure.tight_layout()
-    image = io.BytesIO()
-    figure.savefig(image, format="png", dpi=120, metadata={"Description": provenance})
+    figure.savefig(image := io.BytesIO(), format="png", dpi=120, metadata={"Description": provenance})
     plt.close(figure)
     write_atomically(os.path.join(out, "loss.png"), image.getvalue())
+
+
+# -----------------------------------------------------------------------------
+# Samples: every model continues the same prompts
+
+
+def recipe_samples(args, processes, run_id, recipes, prompts):
+    """{recipe: its model's continuation of each prompt}, each model from its checkpoint, all with the same draws from
+    a generator of their own (training's random state stays as it was). A prompt follows an end-of-text token, as a
+    document's start does in training."""
+    tokenizer, samples = gpt2_tokenizer(), {}
+    for recipe in recipes:
+        with torch.random.fork_rng(devices=[]):  # initial weights, which the checkpoint's replace
+            model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(processes.device)
+        model.load_state_dict(load_checkpoint(checkpoint_path(args.out, recipe), run_id, recipe)["model"])
+        samples[recipe] = []
+        for prompt in prompts:
+            tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=processes.device)
+            generator = torch.Generator(processes.device).manual_seed(args.seed)
+            with autocast(processes.device, args.dtype):
+                written = model.generate(tokens, args.sample_tokens, TEMPERATURE, TOP_K, generator)[0, tokens.shape[1]:]
+            samples[recipe].append(tokenizer.decode(written.tolist()).split("<|endoftext|>")[0])  # a document's end
+    return samples
+
+
+def print_samples(samples, prompts):
+    for i, prompt in enumerate(prompts):
+        print(f"\n{prompt} ...")
+        for recipe, texts in samples.items():
+            print(textwrap.fill(" ".join(texts[i].split()) or "(ended at once)", 120, initial_indent=f"  {recipe:<14}",
+                                subsequent_indent=" " * 16))
+
+
+def sample_run(args, processes):
+    """--sample: the models of the run in --out (or runs/latest), every recipe that has trained, continue the prompt
+    with the run's seed (on a GPU in BF16, which the NVFP4 kernels take)."""
+    args.out = os.path.realpath(args.out or os.path.join(RUNS, "latest"))
+    run, recipes = read_run(args.out, "sample"), list(dict.fromkeys(r["recipe"] for r in read_metrics(args.out)))
+    if missing := [checkpoint_path(args.out, r) for r in recipes if not os.path.exists(checkpoint_path(args.out, r))]:
+        raise TrainingError(f"{missing[0]} not found: samples come from a run's checkpoints (a tiny run deletes its "
+                            f"own when done, unless --keep-checkpoints)")
+    if not recipes:
+        raise TrainingError(f"nothing to sample: no model of {args.out} has trained a step")
+    if args.sample_tokens < 0:
+        raise TrainingError(f"--sample-tokens must be at least 0, got {args.sample_tokens}")
+    args.depth, args.seq_len, args.seed = (run["flags"][name] for name in ("depth", "seq_len", "seed"))
+    args.dtype = "bfloat16" if processes.device.type == "cuda" else run["flags"]["dtype"]
+    print_samples(recipe_samples(args, processes, run["run_id"], recipes, [args.sample]), [args.sample])
 
 
 # -----------------------------------------------------------------------------
@@ -714,8 +788,7 @@ def parse_args(argv=None):
     add("--preset", choices=list(PRESETS), help="defaults for a model size (default: d12 on a GPU)")
     add("--depth", type=int, help="transformer depth; width = 64 * depth")
     add("--seq-len", type=int, help="tokens per training window")
-    add("--device-batch", type=int, help="windows per micro-batch on each device; if one does not fit your GPU, "
-                                         "halve it (gradient accumulation keeps the step's tokens)")
+    add("--device-batch", type=int, help="windows per micro-batch on each device (halve it if one does not fit)")
     add("--batch-tokens", type=int, help="tokens per optimizer step, across all devices")
     add("--steps", type=int, help="optimizer steps")
     add("--warmup-steps", type=int, default=0, help="linear learning-rate warmup steps")
@@ -733,61 +806,62 @@ def parse_args(argv=None):
     add("--val-docs", type=int, default=500, help="with --data hf: the first N documents are the validation split")
     add("--dtype", choices=["bfloat16", "float32"], help="autocast dtype (default bfloat16 on GPU, float32 on CPU)")
     add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: on a GPU)")
-    add("--cuda-graph", action=argparse.BooleanOptionalAction, help="capture each micro-batch in a CUDA graph and "
-                                                                    "replay it (default: on one GPU with --compile)")
+    add("--cuda-graph", action=argparse.BooleanOptionalAction, help="capture each micro-batch in a CUDA graph "
+                                                                    "(default: on one GPU with --compile)")
     add("--device", default="auto", help="cuda, cuda:N or cpu (default: the GPU if there is one)")
     add("--seed", type=int, default=0, help="seed of the weights, the data order and the quantization randomness")
-    add("--deterministic", action="store_true",
-        help="make a GPU run repeat bit for bit (PyTorch's deterministic algorithms; 5-7%% fewer tokens/s at d12 on "
-             "an H200): without it the compiled embedding backward adds with atomics, in a varying order")
+    add("--deterministic", action="store_true", help="repeat a GPU run bit for bit (5-7%% fewer tokens/s at d12): "
+                                                     "else the compiled embedding backward adds in a varying order")
     add("--out", help="the run's directory (default: a new runs/<date>-<time>-<id>; with --resume, runs/latest)")
     add("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     add("--resume", action="store_true", help="continue the run in --out (default: the newest) from its checkpoints")
     add("--overwrite", action="store_true", help="replace the run in --out with a new one")
-    add("--stop-after", type=int, default=0, help="stop after this many steps in this invocation (checkpointed); "
-                                                  "continue later with --resume")
+    add("--stop-after", type=int, default=0, help="stop after this many steps, checkpointed (then --resume)")
+    add("--keep-checkpoints", action=argparse.BooleanOptionalAction,
+        help="keep a finished run's checkpoints, for --resume and --sample (default: yes, but for the tiny preset)")
+    add("--sample", metavar="PROMPT", help="no training: the models of the run in --out (or runs/latest) continue it")
+    add("--sample-tokens", type=int, default=48, help="tokens a sample writes (at a run's end, and with --sample)")
     return parser.parse_args(argv)
 
 
 def resolve(args, processes):
-    """Fill in the preset's defaults and check every flag before any work: a one-line error for one that cannot."""
+    """Fill in the preset's defaults and check every flag before any work: a one-line error for one that cannot be."""
     cuda = processes.device.type == "cuda"
     if args.preset is None and not cuda:
-        raise TrainingError("no GPU found: the default run (preset d12) needs one. Try --preset tiny, which "
-                            "finishes in a few minutes on a CPU")
+        raise TrainingError("no GPU found: the default run (preset d12) needs one; --preset tiny runs on a CPU")
     args.preset = args.preset or "d12"
     for key, value in PRESETS[args.preset].items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    args.dtype, args.compile = args.dtype or ("bfloat16" if cuda else "float32"), cuda if args.compile is None else \
-        args.compile
-    if args.cuda_graph and (not cuda or processes.distributed):
-        raise TrainingError("--cuda-graph runs on one GPU (on several, DDP's gradient all-reduce is not captured)")
+    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
+    args.compile = cuda if args.compile is None else args.compile
     if args.cuda_graph is None:
         args.cuda_graph = cuda and args.compile and not processes.distributed
+    args.new_dir = args.out is None and not args.resume  # a new runs/<date>-<time>-<id>
     smallest = dict(depth=1, seq_len=1, device_batch=1, batch_tokens=1, steps=1, eval_every=1, eval_tokens=1,
-                    checkpoint_every=1, warmup_steps=0, stop_after=0, val_docs=0)
-    for name, least in smallest.items():
-        if getattr(args, name) < least:
-            raise TrainingError(f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}")
-    for name in ("lr_matrix", "lr_embedding", "lr_head"):
-        if not 0 < getattr(args, name) < torch.finfo(torch.float32).max:  # also refuses NaN
-            raise TrainingError(f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}")
-    if not 0 <= args.seed < 2**31:
-        raise TrainingError(f"--seed must be in [0, 2^31), got {args.seed}")
-    if args.out is not None and not args.out.strip():
-        raise TrainingError("--out is empty: name a directory, or leave it out for a new one in runs/")
-    if args.data == "hf" and args.hf_dataset == "json" and not args.hf_files:
-        raise TrainingError("--hf-dataset json reads the files given with --hf-files")
-    if not 0 <= args.warmdown <= 1:
-        raise TrainingError(f"--warmdown must be a fraction in [0, 1], got {args.warmdown}")
-    if args.overwrite and (args.resume or args.out is None):
-        raise TrainingError("--overwrite replaces the run in a given --out (and does not go with --resume)")
+                    checkpoint_every=1, warmup_steps=0, stop_after=0, val_docs=0, sample_tokens=0)
+    problems = [f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}"
+                for name, least in smallest.items() if getattr(args, name) < least]
+    problems += [f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}"  # NaN too
+                 for name in ("lr_matrix", "lr_embedding", "lr_head") if not 0 < getattr(args, name) < FLOAT32_MAX]
     per_step = args.seq_len * args.device_batch * processes.world
-    if args.batch_tokens % per_step:
-        raise TrainingError(f"--batch-tokens {args.batch_tokens} must be a multiple of seq_len x device_batch x "
-                            f"GPUs = {args.seq_len} x {args.device_batch} x {processes.world} = {per_step}")
     try:
         args.recipes = recipe_names(args.recipe)
+        problems += [message for bad, message in (
+            (not 0 <= args.seed < 2**31, f"--seed must be in [0, 2^31), got {args.seed}"),
+            (not 0 <= args.warmdown <= 1, f"--warmdown must be a fraction in [0, 1], got {args.warmdown}"),
+            (per_step > 0 and args.batch_tokens % per_step, f"--batch-tokens {args.batch_tokens} must be a multiple of "
+             f"seq_len x device_batch x GPUs = {args.seq_len} x {args.device_batch} x {processes.world} = {per_step}"),
+            (args.cuda_graph and (not cuda or processes.distributed),
+             "--cuda-graph runs on one GPU (on several, DDP's gradient all-reduce is not captured)"),
+            (cuda and args.dtype == "float32" and args.recipes != ["bf16"],
+             "the NVFP4 kernels take bfloat16 on a GPU: use --dtype bfloat16"),
+            (args.out is not None and not args.out.strip(), "--out is empty: name a directory, or leave it out"),
+            (args.overwrite and (args.resume or args.out is None), "--overwrite replaces the run in a given --out (and "
+             "does not go with --resume)"),
+            (args.data == "hf" and args.hf_dataset == "json" and not args.hf_files,
+             "--hf-dataset json reads the files given with --hf-files")) if bad]
+        if problems:
+            raise TrainingError(problems[0])
         with torch.device("meta"):  # the model's own rules (depth, layer and token counts), on a weightless model
             for recipe in args.recipes:
                 GPT(args.depth, recipe, max_seq_len=args.seq_len)
@@ -799,65 +873,74 @@ def resolve(args, processes):
 
 @contextlib.contextmanager
 def deterministic(enabled):
-    """With enabled, PyTorch's deterministic algorithms (and the fixed cuBLAS workspace they require) inside the
-    block, the previous setting after it; torch.empty stays unfilled (filling every new tensor with NaN, as that mode
-    does by default, would cost a write per byte)."""
-    was = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    had_workspace = "CUBLAS_WORKSPACE_CONFIG" in os.environ
+    """With enabled, PyTorch's deterministic algorithms inside the block (with the fixed cuBLAS workspace they need;
+    torch.empty left unfilled: filling every new tensor would cost a write per byte); after it, as before."""
+    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
+    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
     if enabled:
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # read when cuBLAS starts: before any GEMM
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace or ":4096:8"  # read when cuBLAS starts: before any GEMM
         torch.use_deterministic_algorithms(True)
         torch.utils.deterministic.fill_uninitialized_memory = False
     try:
         yield
     finally:
-        torch.use_deterministic_algorithms(was[0])
-        torch.utils.deterministic.fill_uninitialized_memory = was[1]
-        if not had_workspace:
+        torch.use_deterministic_algorithms(before[0])
+        torch.utils.deterministic.fill_uninitialized_memory = before[1]
+        if workspace is None:
             os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
 
 
+def out_of_memory(error):
+    """The first line of an error that is running out of memory (the GPU's, Python's, the CPU allocator's), or None."""
+    reason = (str(error) or type(error).__name__).splitlines()[0][:100]
+    memory = isinstance(error, (MemoryError, torch.cuda.OutOfMemoryError)) or "can't allocate memory" in reason
+    return reason if memory else None
+
+
+def amount(count):
+    """A count in a few digits: 960, 41K, 4.86M, 1.2B."""
+    return next((f"{count / size:.3g}{unit}" for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)) if count >= size),
+                str(count))
+
+
 def main(argv=None):
-    args, release = parse_args(argv), None
+    args, lock = parse_args(argv), None
     try:
         with deterministic(args.deterministic):
             processes = Processes(args.device)
+            if args.sample is not None:
+                return sample_run(args, processes)
             args = resolve(args, processes)
             tokenizer = gpt2_tokenizer()
             bytes_per_token = token_bytes(tokenizer)
             documents, validation, fingerprint = data_sources(args, tokenizer)
             validation = validation_windows(validation, args.seq_len, args.eval_tokens // args.seq_len,
                                             args.device_batch * processes.world, bytes_per_token)
-            run_id, release = open_run(args, processes, fingerprint)
-            processes.log(f"device {processes.device} x {processes.world}, preset {args.preset}: depth {args.depth}, "
-                          f"seq_len {args.seq_len}, {args.batch_tokens:,} tokens/step, {args.steps} steps, recipes "
-                          f"{args.recipes}, {len(validation)} validation windows, run {run_id[:8]} in {args.out}")
-            if args.data == "local":
-                processes.log(f"{args.steps * args.batch_tokens / 1e6:.1f}M training tokens per recipe: "
-                              f"{args.steps * args.batch_tokens / sum(map(len, documents(0, 0))):.1f} passes over "
-                              f"the bundled sample (--data hf streams the full FineWeb-Edu)")
-            progress = dict(total=len(args.recipes) * args.steps, done=0, began=time.time())
-            data = documents, validation, bytes_per_token
+            run_id, lock = open_run(args, processes, fingerprint)
+            passes = args.steps * args.batch_tokens / sum(map(len, documents(0, 0))) if args.data == "local" else 0
+            processes.log(f"run {run_id[:8]} in {args.out}, on {processes.device} x {processes.world}\npreset "
+                          f"{args.preset}: depth {args.depth}, recipes {', '.join(args.recipes)}, {len(validation)} "
+                          f"validation windows of {args.seq_len} tokens\n{args.steps} steps of "
+                          f"{amount(args.batch_tokens)} tokens: {amount(args.steps * args.batch_tokens)} tokens per "
+                          f"recipe" + (f", {passes:.2g} passes over the bundled sample" if passes else ""))
             rows = []
             for recipe in args.recipes:
-                rows.append(train_recipe(recipe, args, processes, data, run_id, progress))
+                rows.append(train_recipe(recipe, args, processes, (documents, validation, bytes_per_token), run_id))
                 if rows[-1] is None:  # --stop-after
                     return
             summarize(rows, processes, args, run_id)
-    except TrainingError as error:
+    except (TrainingError, OSError) as error:  # OSError: an unreadable or unwritable file
         sys.exit(f"train.py: error: {error}")
-    except (torch.cuda.OutOfMemoryError, MemoryError):
-        sys.exit(f"train.py: error: out of memory with micro-batches of {args.device_batch} x {args.seq_len} tokens; "
-                 f"halve --device-batch (gradient accumulation keeps the step's tokens), or use a smaller model")
     except KeyboardInterrupt:
         sys.exit("train.py: interrupted; --resume continues from the last checkpoint")
-    except RuntimeError as error:
-        if "can't allocate memory" not in str(error):  # the CPU's out-of-memory
+    except (MemoryError, RuntimeError) as error:
+        if (reason := out_of_memory(error)) is None:
             raise
-        sys.exit(f"train.py: error: out of memory ({str(error).splitlines()[0][:80]}); halve --device-batch")
+        sys.exit(f"train.py: error: out of memory ({reason}); halve --device-batch (gradient accumulation keeps the "
+                 f"step's tokens), or use a smaller model")
     finally:
-        if release:
-            release()
+        if lock is not None:
+            os.close(lock)
         if dist.is_initialized():
             dist.destroy_process_group()
 

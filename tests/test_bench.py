@@ -84,7 +84,8 @@ def test_an_unknown_recipe_is_a_one_line_error_naming_it(command, capsys):
 
 def test_grad_takes_the_weights_of_a_train_py_checkpoint(small_data, tmp_path):
     flags = ["--depth", "2", "--seq-len", "128", "--device-batch", "2", "--batch-tokens", "256", "--steps", "2",
-             "--eval-tokens", "256", "--recipe", "bf16", "--data-dir", small_data, "--out", str(tmp_path / "run")]
+             "--eval-tokens", "256", "--recipe", "bf16", "--data-dir", small_data, "--out", str(tmp_path / "run"),
+             "--keep-checkpoints"]
     assert train.main(["--preset", "tiny"] + flags) is None
     checkpoint = str(tmp_path / "run" / "bf16" / "checkpoint.pt")
     grad = ["grad", "--recipes", "quartet2", "--depth", "2", "--seq-len", "128", "--tokens", "256", "--batches", "2",
@@ -93,6 +94,13 @@ def test_grad_takes_the_weights_of_a_train_py_checkpoint(small_data, tmp_path):
     assert [r["errors"] for r in trained] != [r["errors"] for r in initialized]  # other weights, other gradients
     with pytest.raises(SystemExit, match="another model size than --depth 4"):
         bench.main(grad[:4] + ["4"] + grad[5:] + ["--checkpoint", checkpoint])
+    weightless = str(tmp_path / "weightless.pt")  # a checkpoint of train.py's format without the model's weights
+    train.save_checkpoint(weightless, dict(run_id="x", recipe="bf16", step=2))
+    for path, expected in ((weightless, "unreadable (KeyError)"), (str(tmp_path / "missing.pt"), "not found")):
+        with pytest.raises(SystemExit) as exit_:
+            bench.main(grad + ["--checkpoint", path])
+        assert str(exit_.value).startswith("bench.py: error: checkpoint") and expected in str(exit_.value)
+        assert "\n" not in str(exit_.value) and "delete" not in str(exit_.value)
 
 
 def test_train_needs_at_least_one_timed_call(capsys):

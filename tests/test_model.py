@@ -174,6 +174,41 @@ def test_model_shapes_and_bad_sizes():
             GPT(2, max_seq_len=16)(tokens)
 
 
+def test_the_gpt_refuses_what_it_cannot_compute():
+    with pytest.raises(ValueError, match="vocabulary and a context of at least 1"):
+        GPT(2, vocab_size=0)
+    gpt, tokens = GPT(2, max_seq_len=16), torch.zeros(1, 8, dtype=torch.long)
+    for empty in (torch.zeros(0, 8, dtype=torch.long), torch.zeros(1, 0, dtype=torch.long)):
+        with pytest.raises(ValueError, match="takes token ids"):
+            gpt(empty)
+    with pytest.raises(ValueError, match="targets of their shape"):
+        gpt(tokens, tokens[:, 1:])
+    with pytest.raises(ValueError, match="every target is -100"):  # a mean over no targets would be NaN
+        gpt(tokens, torch.full_like(tokens, -100))
+    assert gpt(tokens, torch.tensor([[-100] * 7 + [3]])).isfinite()  # some ignored: the mean over the others
+    for bad in (dict(max_new_tokens=-1), dict(max_new_tokens=1, temperature=0), dict(max_new_tokens=1, top_k=0)):
+        with pytest.raises(ValueError, match="generate needs"):
+            gpt.generate(tokens, **bad)
+
+
+@pytest.mark.parametrize("recipe", ["bf16", "quartet2"])
+def test_generation_is_deterministic_for_a_seed_and_stops_at_the_requested_length(recipe):
+    gpt = random_gpt(recipe)[0]  # max_seq_len 64: a quantized forward pads the context to 2 rows of 64 tokens
+    prompt = torch.tensor([[464, 3616, 286]])
+    length = 70 if recipe == "bf16" else 3  # bf16 goes past max_seq_len: the context is cropped to its last 64
+
+    def draw(seed, new_tokens=length, top_k=50):
+        return gpt.generate(prompt, new_tokens, 0.8, top_k, generator=torch.Generator().manual_seed(seed))
+    state = torch.get_rng_state()
+    first = draw(0)
+    assert torch.equal(torch.get_rng_state(), state)  # the generator's draws only: training's randomness untouched
+    assert first.shape == (1, 3 + length) and torch.equal(first[:, :3], prompt) and torch.equal(first, draw(0))
+    assert not torch.equal(first, draw(1)) and torch.equal(draw(0, 0), prompt)
+    greedy = draw(0, 1, top_k=1)[0, -1]  # the most likely token after the prompt's last
+    if recipe == "bf16":
+        assert greedy == gpt(prompt)[0, -1].argmax()
+
+
 @pytest.mark.parametrize("recipe", list(RECIPES))
 def test_double_backward_and_a_second_backward_raise(recipe):
     x, w = torch.randn(128, 128, requires_grad=True), torch.randn(128, 128, requires_grad=True)

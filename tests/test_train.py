@@ -27,7 +27,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def tiny_args(data_dir, out, *extra):
     return ["--preset", "tiny", "--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256",
-            "--eval-every", "5", "--eval-tokens", "1024", "--data-dir", data_dir, "--out", str(out), *extra]
+            "--eval-every", "5", "--eval-tokens", "1024", "--data-dir", data_dir, "--out", str(out),
+            "--keep-checkpoints", "--sample-tokens", "2", *extra]
 
 
 def run(argv):
@@ -95,17 +96,22 @@ def test_validation_windows_are_fixed_and_fill_whole_batches(small_data):
 
 def test_streaming_through_datasets_on_a_local_file(tmp_path):
     pytest.importorskip("datasets", reason="--data hf needs Hugging Face datasets, which is not installed")
-    texts = [f"document number {i}." for i in range(7)]
+    texts = [f"document number {i}." for i in range(12)]
     path = tmp_path / "docs.jsonl"
     path.write_text("".join(json.dumps(dict(text=t)) + "\n" for t in texts))
-    args = train.parse_args(["--data", "hf", "--hf-dataset", "json", "--hf-config", "", "--hf-files", str(path),
-                             "--val-docs", "2"])
+    flags = ["--data", "hf", "--hf-dataset", "json", "--hf-config", "", "--hf-files", str(path), "--val-docs", "2"]
     tokenizer = train.gpt2_tokenizer()
-    documents, validation, fingerprint = train.data_sources(args, tokenizer)
+    documents, validation, fingerprint = train.data_sources(train.parse_args(flags), tokenizer)
     assert fingerprint is None  # a stream is named by its flags
     decode = lambda tokens: tokenizer.decode(tokens[:-1].tolist())
     assert [decode(t) for t in validation] == texts[:2]
-    assert [decode(t) for t in documents(0, 1)] == texts[3:]  # training starts after the validation documents
+    epochs = [[decode(t) for t in documents(epoch, 0)] for epoch in range(3)]
+    assert all(sorted(epoch) == sorted(texts[2:]) for epoch in epochs)  # every training document, none of validation
+    assert len({tuple(epoch) for epoch in epochs}) == 3  # in a new order each epoch
+    again = train.data_sources(train.parse_args(flags), tokenizer)[0]  # the same order from the same seed...
+    assert [decode(t) for t in again(1, 4)] == epochs[1][4:]  # ...and resumed at (epoch, document)
+    other_seed = train.data_sources(train.parse_args(flags + ["--seed", "1"]), tokenizer)[0]
+    assert [decode(t) for t in other_seed(0, 0)] != epochs[0]
 
 
 # --- runs ------------------------------------------------------------------------------------------------------------
@@ -123,17 +129,57 @@ def test_many_recipes_train_compiled_in_one_process(small_data, tmp_path, monkey
     assert len(losses(tmp_path)) == 6
 
 
-def test_tiny_run_writes_metrics_summary_and_plot(small_data, tmp_path):
-    assert run(tiny_args(small_data, tmp_path, "--steps", "5", "--recipe", "bf16,quartet2")) is None
+def test_tiny_run_writes_metrics_summary_samples_and_plot_and_deletes_its_checkpoints(small_data, tmp_path, capsys):
+    # the tiny preset's default: a finished toy run keeps its results (~0.1 MB), not its checkpoints (~160 MB each)
+    assert run(tiny_args(small_data, tmp_path, "--steps", "5", "--recipe", "bf16,quartet2", "--no-keep-checkpoints",
+                         "--sample-tokens", "3")) is None
     records = train.read_metrics(tmp_path)
     assert [r["recipe"] for r in records] == ["bf16"] * 5 + ["quartet2"] * 5
     assert {r["run_id"] for r in records} == {json.load(open(tmp_path / "run.json"))["run_id"]}
     summary = json.load(open(tmp_path / "summary.json"))
     assert summary["run_id"] == records[0]["run_id"] and [r["recipe"] for r in summary["rows"]] == ["bf16", "quartet2"]
+    assert all(set(row) == {"recipe", "val_bpb", "tokens", "steps", "peak_memory_gb", "tokens_per_s", "gap_pct"}
+               for row in summary["rows"])
     assert summary["rows"][0]["gap_pct"] == 0 and math.isfinite(summary["rows"][1]["val_bpb"])
+    assert summary["prompts"] == list(train.PROMPTS) and list(summary["samples"]) == ["bf16", "quartet2"]
+    assert all(len(texts) == len(train.PROMPTS) and all(isinstance(t, str) for t in texts)
+               for texts in summary["samples"].values())
     assert (tmp_path / "loss.png").exists() == (importlib.util.find_spec("matplotlib") is not None)
+    assert not glob.glob(str(tmp_path / "*" / "checkpoint.pt"))
+    output = capsys.readouterr().out
+    assert "1.28K tokens per recipe, 0.017 passes over the bundled sample" in output  # 5 steps of 256 tokens
+    assert "eta 0.0 min, run ~" in output and "its checkpoints deleted (--keep-checkpoints keeps them)" in output
+    assert all(f"  {recipe:<14}" in output for recipe in ("bf16", "quartet2"))  # the samples, printed
     with open(tmp_path / ".lock") as f:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)  # released: free to take (BlockingIOError if held)
+    for flags, expected in ((["--resume", "--steps", "6"], "its checkpoint of step 5 is gone"),
+                            (["--sample", "Photosynthesis is"], "checkpoint.pt not found")):
+        assert_one_line_error(run(tiny_args(small_data, tmp_path, *flags)), expected, "--keep-checkpoints")
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), distributed=False, world=1)
+    kept = [train.resolve(train.parse_args(["--preset", p]), cpu).keep_checkpoints for p in train.PRESETS]
+    assert kept == [p != "tiny" for p in train.PRESETS]
+
+
+def test_amounts_read_at_every_size():
+    assert [train.amount(n) for n in (960, 40960, 4_860_000, 18_350_080, 1.2e9)] == ["960", "41K", "4.86M",
+                                                                                      "18.4M", "1.2B"]
+
+
+def test_sampling_a_resumed_run_gives_what_the_finished_run_gave(small_data, tmp_path, capsys):
+    common = ("--steps", "2", "--recipe", "bf16,quartet2", "--sample-tokens", "4")
+    assert run(tiny_args(small_data, tmp_path / "straight", *common)) is None
+    assert run(tiny_args(small_data, tmp_path / "resumed", *common, "--stop-after", "1")) is None
+    assert run(tiny_args(small_data, tmp_path / "resumed", *common, "--resume")) is None
+    samples = [json.load(open(tmp_path / name / "summary.json"))["samples"] for name in ("straight", "resumed")]
+    assert samples[0] == samples[1] and list(samples[0]) == ["bf16", "quartet2"]
+    capsys.readouterr()
+    printed = []
+    for name in ("straight", "resumed"):  # a one-line command, no training: the prompt of the run's end, again
+        assert run(["--sample", train.PROMPTS[0], "--sample-tokens", "4", "--out", str(tmp_path / name)]) is None
+        printed.append(capsys.readouterr().out)
+    assert printed[0] == printed[1] and "step" not in printed[0]
+    assert all(" ".join(texts[0].split()) in printed[0] for texts in samples[0].values())
+    assert_one_line_error(run(["--sample", "Hello", "--out", str(tmp_path / "nothing")]), "nothing to sample")
 
 
 @pytest.mark.slow
@@ -334,7 +380,7 @@ def bad_data(tmp_path, name, content):
     (["--no-such-flag"], "unrecognized arguments: --no-such-flag"),
     (["--recipe", "fp8"], "unknown recipe"),
     ([], "no GPU found"),
-    (["--data-dir", "/nonexistent"], "no train data"),
+    (["--data-dir", "/nonexistent"], "no train documents"),
     (["--batch-tokens", "1000"], "must be a multiple of seq_len x device_batch"),
     (["--batch-tokens", "0"], "--batch-tokens must be at least 1"),
     (["--batch-tokens", "-1024"], "--batch-tokens must be at least 1"),
@@ -414,7 +460,7 @@ def test_evaluation_batches_are_whole_multiples_of_128_tokens(small_data, tmp_pa
 def test_the_default_run_directory_is_new_each_time_and_resume_takes_the_latest(small_data, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     common = ["--preset", "tiny", "--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256",
-              "--eval-tokens", "1024", "--data-dir", small_data, "--recipe", "bf16"]
+              "--eval-tokens", "1024", "--data-dir", small_data, "--recipe", "bf16", "--keep-checkpoints"]
     assert run(common + ["--steps", "2"]) is None
     assert run(common + ["--steps", "2"]) is None  # the same command again: a second run, not an error
     runs = sorted(p for p in os.listdir("runs") if p != "latest")
@@ -485,9 +531,10 @@ def test_a_write_error_stops_the_run_and_keeps_the_previous_file(small_data, tmp
 
 
 def test_a_killed_runs_temporary_files_are_removed_and_nothing_else(small_data, tmp_path):
+    # A run writes FILE.tmp and renames it over FILE (its lock keeps a second writer out): a kill leaves FILE.tmp
     assert run(tiny_args(small_data, tmp_path, "--steps", "2", "--recipe", "bf16", "--stop-after", "1")) is None
-    left = [tmp_path / "bf16" / "checkpoint.pt.4242.tmp", tmp_path / "metrics.jsonl.17.tmp"]
-    kept = [tmp_path / "notes.tmp", tmp_path / "bf16" / "checkpoint.pt.tmp"]
+    left = [tmp_path / "bf16" / "checkpoint.pt.tmp", tmp_path / "metrics.jsonl.tmp", tmp_path / "summary.json.tmp"]
+    kept = [tmp_path / "notes.tmp", tmp_path / "bf16" / "checkpoint.pt.4242.tmp"]
     for path in left + kept:
         path.write_bytes(b"x" * 1000)
     assert run(tiny_args(small_data, tmp_path, "--steps", "2", "--recipe", "bf16", "--resume")) is None
@@ -605,3 +652,97 @@ def test_an_interrupted_run_says_how_to_continue(small_data, tmp_path, monkeypat
     monkeypatch.setattr(train, "evaluate", interrupt)
     message = run(tiny_args(small_data, tmp_path, "--steps", "2", "--recipe", "bf16"))
     assert message == "train.py: interrupted; --resume continues from the last checkpoint"
+
+
+# --- what an adversarial probe found ---------------------------------------------------------------------------------
+
+def test_resume_refuses_a_recipe_whose_checkpoint_is_gone_and_starts_one_that_never_began(small_data, tmp_path):
+    both = ("--steps", "2", "--recipe", "bf16,quartet2")
+    assert run(tiny_args(small_data, tmp_path, *both, "--stop-after", "1")) is None
+    with open(tmp_path / "metrics.jsonl", "a") as f:  # quartet2 killed before its first checkpoint: it starts over
+        f.write(json.dumps(dict(recipe="quartet2", step=1, loss=10.0)) + "\n")
+    saved = (tmp_path / "bf16" / "checkpoint.pt").read_bytes()
+    os.remove(tmp_path / "bf16" / "checkpoint.pt")
+    assert_one_line_error(run(tiny_args(small_data, tmp_path, *both, "--resume")),
+                          "[bf16] its checkpoint of step 1 is gone", "restore it")
+    (tmp_path / "bf16" / "checkpoint.pt").write_bytes(saved)
+    assert run(tiny_args(small_data, tmp_path, *both, "--resume")) is None
+    assert [(r["recipe"], r["step"]) for r in train.read_metrics(tmp_path)] == [
+        ("bf16", 1), ("bf16", 2), ("quartet2", 1), ("quartet2", 2)]
+
+
+def test_a_directory_that_holds_no_run_is_refused_untouched(small_data, tmp_path):
+    other = tmp_path / "other"
+    other.mkdir()
+    names = {"notes.txt": b"mine", "metrics.jsonl.tmp": b"mine too", "checkpoint.pt.17.tmp": b"and this"}
+    for name, content in names.items():
+        (other / name).write_bytes(content)
+    assert_one_line_error(run(tiny_args(small_data, other, "--steps", "1")), "not a run of train.py")
+    assert {p.name: p.read_bytes() for p in other.iterdir()} == names  # no file removed, no .lock left
+
+
+def test_a_planted_lock_link_is_refused_not_followed(small_data, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    os.symlink(tmp_path / "elsewhere", out / ".lock")
+    assert_one_line_error(run(tiny_args(small_data, out, "--steps", "1")), "its .lock is not a file")
+    assert not os.path.lexists(tmp_path / "elsewhere")
+
+
+def test_runs_started_together_do_not_collide_on_runs_latest(tmp_path, monkeypatch):
+    # Between one run's link and its rename, another run points runs/latest at itself: each uses a name of its own
+    monkeypatch.chdir(tmp_path)
+    for name in ("a", "b"):
+        os.makedirs(os.path.join("runs", name))
+    replace = os.replace
+
+    def interleaved(source, target):
+        monkeypatch.setattr(os, "replace", replace)
+        with monkeypatch.context() as other:
+            other.setattr(os, "getpid", lambda: 999999)
+            train.make_latest(os.path.join("runs", "b"))
+        replace(source, target)
+    monkeypatch.setattr(os, "replace", interleaved)
+    train.make_latest(os.path.join("runs", "a"))
+    assert os.readlink(os.path.join("runs", "latest")) == "a" and sorted(os.listdir("runs")) == ["a", "b", "latest"]
+
+
+def test_a_run_that_fails_before_its_first_step_does_not_become_the_latest(small_data, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    common = [a for a in tiny_args(small_data, "-", "--steps", "1", "--recipe", "bf16") if a not in ("-", "--out")]
+    assert run(common) is None
+    finished = os.path.realpath("runs/latest")
+    with monkeypatch.context() as patch:
+        patch.setattr(train, "train_step", lambda *args: (_ for _ in ()).throw(KeyboardInterrupt))
+        assert "interrupted" in run(common)
+    assert len(os.listdir("runs")) == 3 and os.path.realpath("runs/latest") == finished
+    assert run(common + ["--resume", "--steps", "2"]) is None  # a plain --resume continues the run that trained
+    assert [r["step"] for r in train.read_metrics(finished)] == [1, 2]
+
+
+def test_a_failed_write_says_that_a_previous_version_is_kept_only_if_there_is_one(tmp_path, monkeypatch):
+    def full(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "fsync", full)
+    (tmp_path / "old.json").write_text("{}")
+    for name, kept in (("new.json", False), ("old.json", True)):
+        with pytest.raises(train.TrainingError) as error:
+            train.write_atomically(str(tmp_path / name), b"[]")
+        assert ("its previous version is kept" in str(error.value)) == kept
+    assert (tmp_path / "old.json").read_text() == "{}" and sorted(os.listdir(tmp_path)) == ["old.json"]
+
+
+def test_empty_training_data_is_a_one_line_error(small_data, tmp_path):
+    empty = tmp_path / "empty"
+    shutil.copytree(small_data, empty)
+    (empty / "fineweb_edu_train_000.jsonl.gz").write_bytes(gzip.compress(b""))
+    assert_one_line_error(run(tiny_args(str(empty), tmp_path / "out")), "no train documents")
+
+
+def test_a_gpu_refuses_float32_quantized_training():
+    one_gpu = types.SimpleNamespace(device=torch.device("cuda"), distributed=False, world=1)
+    with pytest.raises(train.TrainingError, match="the NVFP4 kernels take bfloat16 on a GPU: use --dtype bfloat16"):
+        train.resolve(train.parse_args(["--preset", "tiny", "--dtype", "float32", "--recipe", "quartet2"]), one_gpu)
+    assert train.resolve(train.parse_args(["--preset", "tiny", "--dtype", "float32", "--recipe", "bf16"]), one_gpu)
+    cpu = types.SimpleNamespace(device=torch.device("cpu"), distributed=False, world=1)
+    assert train.resolve(train.parse_args(["--preset", "tiny", "--recipe", "quartet2"]), cpu).dtype == "float32"
