@@ -1,23 +1,30 @@
 """
 Measurements. Each table and figure of the README's Results comes from one of these commands:
 
-    python bench.py quant    # quantizer error (the paper's Table 1) and unbiasedness (CPU or GPU)
-    python bench.py grad     # gradient concentration of a layer's backward per recipe (the paper's Figure 9)
-    python bench.py study    # train.py for recipes x seeds: the gaps to BF16 (the paper's Table 5, its ablations)
-    python bench.py train    # tokens/s and peak memory of a training step per recipe, against compiled BF16 (GPU)
-    python bench.py linear   # forward + backward of one linear layer per recipe, as a ratio to BF16 (GPU)
-    python bench.py kernels  # each Triton kernel's time and bandwidth, against the device's copy bandwidth (GPU)
+    python bench.py quant        # quantizer error (the paper's Table 1) and unbiasedness (CPU or GPU)
+    python bench.py grad         # gradient concentration of a layer's backward per recipe (the paper's Figure 9)
+    python bench.py study        # train.py for recipes x seeds: the gaps to BF16, paired (the paper's Table 5)
+    python bench.py train        # tokens/s and peak memory of a training step per recipe, against compiled BF16 (GPU)
+    python bench.py linear       # forward + backward of one linear layer per recipe, as a ratio to BF16 (GPU)
+    python bench.py kernels      # each Triton kernel's time and bandwidth, against the device's copy bandwidth (GPU)
+    python bench.py fingerprint  # which files of results/ were measured on other numerics than today's
 
-Each prints a table (--json PATH: rows and provenance; before Blackwell it says the NVFP4 GEMMs are emulated). GPU
-times are medians after warm-up, with --cuda-graph (always for kernels) of graph replays, as train.py runs them.
+Each prints a table; --json PATH also writes it as a results file, one shape for all: the command, its provenance
+(date, commit, device, versions), the fingerprint of the numerics that made it, and the rows. GPU times are medians
+after warm-up, with --cuda-graph (always for kernels) of graph replays, as train.py runs them.
 
 Quantizer error is ||x - q(x)||^2 / ||x||^2 on N(0, 1) data. Unbiasedness shows as concentration: the mean of B
 independent quantizations (or backward passes) of the same input has error variance / B + bias^2, so for an unbiased
 quantizer B * error(mean of B) stays flat, while for a biased one it grows like B once the bias dominates.
+
+A claim that one recipe trains better than another needs seeds: each seed trains every recipe from the same weights
+on the same data, so the difference of two recipes' final bpb is taken per seed (paired), and its mean gets a 95%
+interval from Student's t over seeds. A difference is resolved when the interval excludes zero.
 """
 
 import argparse
 import ast
+import concurrent.futures
 import functools
 import hashlib
 import json
@@ -182,63 +189,49 @@ def bench_study(args):
     """train.py for every seed, as subprocesses (--parallel at a time on one GPU), then the comparison. The study's
     record (--json, else OUT/study.json) is rewritten after each seed and read back first: a seed it holds, measured
     on the same numerics with the same flags, is not trained again; an unfinished seed resumes from its checkpoints."""
-    record = args.json or os.path.join(args.out, "study.json")
-    runs, waiting, running = finished_seeds(record, args), [], {}
-    waiting = [seed for seed in args.seeds if seed not in runs]
+    record, runs = args.json or os.path.join(args.out, "study.json"), finished_seeds(args)
     os.makedirs(args.out, exist_ok=True)
-    while waiting or running:
-        while waiting and len(running) < args.parallel:
-            seed = waiting.pop(0)
-            out = os.path.join(args.out, f"seed{seed}")
-            flags = ["--preset", args.preset, "--recipe", ",".join(args.recipes), "--seed", str(seed), "--out", out]
-            flags += ["--resume"] if os.path.exists(os.path.join(out, "run.json")) else []
-            log = open(f"{out}.log", "w")
-            running[seed] = subprocess.Popen([sys.executable, os.path.join(ROOT, "train.py"), *flags,
-                                              *args.train_flags], stdout=log, stderr=subprocess.STDOUT), log
-            print(f"seed {seed}: training (log {out}.log)", flush=True)
-        time.sleep(0.5)
-        for seed, (process, log) in list(running.items()):
-            if process.poll() is None:
-                continue
-            log.close()
-            del running[seed]
-            if process.returncode != 0:
-                for other, _ in running.values():
-                    other.terminate()
-                last = (open(log.name).read().strip().splitlines() or ["no output"])[-1]
-                raise ValueError(f"seed {seed} failed: {last} (log {log.name})")
-            summary = json.load(open(os.path.join(args.out, f"seed{seed}", "summary.json")))
-            runs[seed] = {row["recipe"]: row | dict(samples=summary.get("samples", {}).get(row["recipe"]))
-                          for row in summary["rows"]}
+
+    def train_seed(seed):  # -> its summary.json
+        out = os.path.join(args.out, f"seed{seed}")
+        flags = ["--preset", args.preset, "--recipe", ",".join(args.recipes), "--seed", str(seed), "--out", out]
+        flags += ["--resume"] if os.path.exists(os.path.join(out, "run.json")) else []
+        print(f"seed {seed}: training, log in {out}.log", flush=True)
+        with open(f"{out}.log", "w") as log:
+            if subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *flags, *args.train_flags],
+                              stdout=log, stderr=subprocess.STDOUT).returncode:
+                raise ValueError(f"seed {seed} failed: {open(log.name).read().strip().splitlines()[-1]} ({log.name})")
+        return json.load(open(os.path.join(out, "summary.json")))
+
+    with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+        futures = {pool.submit(train_seed, seed): seed for seed in args.seeds if seed not in runs}
+        for future in concurrent.futures.as_completed(futures):
+            summary = future.result()
+            runs[futures[future]] = {row["recipe"]: row | dict(samples=summary["samples"][row["recipe"]])
+                                     for row in summary["rows"]}
             write_results(record, args.command_line, study_rows(runs, args.recipes))
-            print(f"seed {seed}: " + ", ".join(f"{r} {runs[seed][r]['val_bpb']:.4f}" for r in args.recipes),
-                  flush=True)
     rows = study_rows(runs, args.recipes)
     print_study(rows, args.preset)
-    if args.png:  # the loss curves of the first seed, where its run directory is still there
-        metrics = os.path.join(args.out, f"seed{args.seeds[0]}")
-        if os.path.exists(os.path.join(metrics, "metrics.jsonl")):
-            train.plot(metrics, results_description(args.command_line))
-            shutil.copyfile(os.path.join(metrics, "loss.png"), args.png)
+    first = os.path.join(args.out, f"seed{args.seeds[0]}")
+    if args.png and os.path.exists(os.path.join(first, "metrics.jsonl")):  # the first seed's loss curves
+        train.plot(first, results_description(args.command_line))
+        shutil.copyfile(os.path.join(first, "loss.png"), args.png)
     return rows
 
 
-def finished_seeds(record, args):
-    """{seed: {recipe: its train.py summary row}} of the study's record, if it was measured on these numerics with
-    these flags (the seeds asked for, of the recipes asked for); else {}."""
+def finished_seeds(args):
+    """{seed: {recipe: its train.py summary row}} of the seeds asked for that the study's record holds, if it was
+    measured on these numerics with these flags and recipes; else {}."""
     try:
-        old = json.load(open(record))
+        old = json.load(open(args.json or os.path.join(args.out, "study.json")))
         old_args = parse_args(shlex.split(old["command"])[2:])
-    except (OSError, ValueError, KeyError, SystemExit):
+        by_recipe = {row["recipe"]: row["runs"] for row in old["rows"]}
+        assert old["fingerprint"] == fingerprint() and (old_args.preset, old_args.train_flags) == (
+            args.preset, args.train_flags) and set(args.recipes) <= set(by_recipe)
+    except (OSError, ValueError, KeyError, TypeError, AssertionError, SystemExit):
         return {}
-    if old["fingerprint"] != fingerprint() or (old_args.preset, old_args.train_flags) != (args.preset,
-                                                                                         args.train_flags):
-        return {}
-    by_recipe = {row["recipe"]: row for row in old["rows"]}
-    if not set(args.recipes) <= set(by_recipe):
-        return {}
-    return {seed: {r: dict(recipe=r, **by_recipe[r]["runs"][str(seed)]) for r in args.recipes}
-            for seed in args.seeds if all(str(seed) in by_recipe[r]["runs"] for r in args.recipes)}
+    return {seed: {r: dict(recipe=r, **by_recipe[r][str(seed)]) for r in args.recipes}
+            for seed in args.seeds if all(str(seed) in by_recipe[r] for r in args.recipes)}
 
 
 def t_quantile_975(df):
@@ -477,10 +470,6 @@ def bench_kernels(args):
 
 
 # -----------------------------------------------------------------------------
-# Flags
-
-
-# -----------------------------------------------------------------------------
 # Results: one shape for every file in results/, and a fingerprint of the numerics that made it
 
 def provenance():
@@ -593,15 +582,10 @@ def source_fingerprint(path=os.path.join(ROOT, "kernels.py")):
 
 
 def png_description(path):
-    """The "Description" text of a PNG file's metadata (its tEXt chunk), or None."""
-    data, position = open(path, "rb").read(), 8  # after the PNG signature: chunks of length, type, data, CRC
-    while position + 8 <= len(data):
-        length, kind = int.from_bytes(data[position:position + 4], "big"), data[position + 4:position + 8]
-        key, _, text = data[position + 8:position + 8 + length].partition(b"\0")
-        if kind == b"tEXt" and key == b"Description":
-            return text.decode("latin-1")
-        position += 12 + length
-    return None
+    """The "Description" text of a PNG file's metadata, or None."""
+    from PIL import Image  # matplotlib's own dependency, which writes it
+    with Image.open(path) as image:
+        return image.text.get("Description")
 
 
 RESULT_KEYS, PROVENANCE_KEYS = ["command", "provenance", "fingerprint", "rows"], ["date", "commit", "device", "torch",
@@ -620,7 +604,7 @@ def stale_results(directory=os.path.join(ROOT, "results")):
             if not isinstance(data, dict) or list(data) != keys or list(data["provenance"]) != PROVENANCE_KEYS:
                 stale.append(f"{name}: not a results file of the one shape ({', '.join(RESULT_KEYS)})")
                 continue
-        except (ValueError, TypeError, UnicodeDecodeError):
+        except (ValueError, TypeError, OSError):  # OSError: not an image PIL can read
             stale.append(f"{name}: not a results file (JSON, or a PNG with it in its metadata)")
             continue
         expected = source_fingerprint() if data["fingerprint"].startswith("kernels.py") else fingerprint()
@@ -635,6 +619,10 @@ def check_results(args):
     print(f"numerics: {fingerprint()}, builds: {source_fingerprint()}\n" + ("\n".join(stale) or
                                                                              "every result in results/ is current"))
     return stale
+
+
+# -----------------------------------------------------------------------------
+# Flags
 
 
 STUDY_SETS = {"--seed", "--recipe", "--out", "--resume", "--overwrite", "--stop-after", "--preset"}  # of train.py
