@@ -310,7 +310,8 @@ def gpu():
     if not torch.cuda.is_available():
         raise ValueError("this measurement needs a CUDA GPU")
     native = kernels.native_fp4_available(torch.device("cuda"))
-    print(f"{', '.join(str(v) for v in provenance().values())}; NVFP4 GEMMs {'native (cuBLAS)' if native else 'emulated in BF16 (no FP4 tensor cores)'}")
+    print(f"{', '.join(str(v) for v in provenance().values())}; NVFP4 GEMMs "
+          f"{'native (cuBLAS)' if native else 'emulated in BF16 (no FP4 tensor cores)'}")
     return torch.device("cuda")
 
 
@@ -372,7 +373,8 @@ def bench_train(args):
             tokens_per_s = accumulation * tokens / (ms_step * 1e-3)
             baseline = next((r["tokens_per_s"] for r in rows if (r["depth"], r["recipe"]) == (depth, "bf16")), None)
             rows.append(dict(depth=depth, recipe=recipe, accumulation=accumulation, forward_backward_ms=ms_fb,
-                             optimizer_ms=ms_opt, step_ms=ms_step, tokens_per_s=tokens_per_s, peak_memory_gb=peak_memory,
+                             optimizer_ms=ms_opt, step_ms=ms_step, tokens_per_s=tokens_per_s,
+                             peak_memory_gb=peak_memory,
                              vs_bf16=tokens_per_s / baseline if baseline else None, compiled=args.compile,
                              cuda_graph=args.cuda_graph))
             ratio = f"{rows[-1]['vs_bf16']:.2f}x" if baseline else "-"
@@ -540,7 +542,8 @@ def fingerprint():
             RecipeLinear.apply(x, w, name).backward(grid_values((128, 256), generator, 1 / 8, 2.0))
     finally:
         model.matmul = matmul
-    x, seed = grid_values((32, 128), generator, 1 / 16, 2.0).to(KERNEL_DEVICE), torch.tensor([1234], device=KERNEL_DEVICE)
+    x = grid_values((32, 128), generator, 1 / 16, 2.0).to(KERNEL_DEVICE)
+    seed = torch.tensor([1234], device=KERNEL_DEVICE)
     signs = torch.ones(128, device=KERNEL_DEVICE).index_fill_(0, torch.arange(0, 128, 3, device=KERNEL_DEVICE), -1)
     for t, options in ((x, {}), (x, dict(four_over_six=True)), (x.t(), dict(transpose=True, signs=signs[:16])),
                        (x, dict(signs=signs[:32]))):

@@ -2,6 +2,8 @@
 statistics that back the README's comparisons."""
 
 import json
+import os
+import re
 import subprocess
 
 import pytest
@@ -104,3 +106,46 @@ def test_the_study_compares_recipes_seed_by_seed():
     assert rows["nvidia"]["quartet2_gap_reduction_pct"] == pytest.approx(reduction)
     assert "quartet2_gap_reduction_pct" not in rows["fwd_1x16"] and "gap_pct" not in rows["bf16"]
     assert rows["nvidia"]["runs"]["1"]["val_bpb"] == pytest.approx(1.015)
+
+
+def numbers_in(data):
+    """Every number in a results file's rows (booleans aside), as floats."""
+    if isinstance(data, dict):
+        return [v for value in data.values() for v in numbers_in(value)]
+    if isinstance(data, list):
+        return [v for value in data for v in numbers_in(value)]
+    return [float(data)] if isinstance(data, (int, float)) and not isinstance(data, bool) else []
+
+
+def tables_with_their_files(path):
+    """(results file, [table lines]) for each table of a markdown file whose section names a results file above it:
+    the one named last."""
+    pairs, source, table = [], None, []
+    for line in open(path).read().splitlines() + [""]:
+        if line.startswith("|"):
+            table.append(line)
+            continue
+        if table and source:
+            pairs.append((source, table))
+        named = re.findall(r"results/[\w.]+\.json", line)
+        table, source = [], None if line.startswith("#") else (named or [source])[-1]
+    return pairs
+
+
+@pytest.mark.parametrize("document", ["README.md", "dev/PERFORMANCE.md"])
+def test_every_number_in_a_results_table_is_in_its_file(document):
+    # A table re-typed by hand, or left behind when its file is measured again, fails here: each number in its cells
+    # (past the first column, which names the row) must be a value of the file's rows at the precision shown, or
+    # that value in percent.
+    checked = 0
+    for source, table in tables_with_their_files(os.path.join(bench.ROOT, document)):
+        values = numbers_in(json.load(open(os.path.join(bench.ROOT, source)))["rows"])
+        for line in table[2:]:  # the header and its rule name columns
+            for cell in line.strip("|").split("|")[1:]:
+                for number in re.findall(r"\d[\d,]*(?:\.\d+)?", cell.replace("**", "")):
+                    digits = len(number.partition(".")[2])
+                    shown = number.replace(",", "")
+                    assert any(f"{abs(v) * scale:.{digits}f}" == shown for v in values for scale in (1, 100)), \
+                        f"{document}: {number} in '{line}' is not in {source}"
+                    checked += 1
+    assert checked > 0
