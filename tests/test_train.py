@@ -398,7 +398,7 @@ def bad_data(tmp_path, name, content):
     (["--out", " "], "--out is empty"),
     (["--seed", "18446744073709551615"], "--seed must be in [0, 2^31)"),
     (["--lr-matrix", "1e300"], "--lr-matrix must be a positive number"),
-    (["--data", "hf", "--hf-dataset", "json", "--hf-config", ""], "reads the files given with --hf-files"),
+    (["--data", "hf", "--hf-dataset", "json", "--hf-config", ""], "--hf-dataset json reads --hf-files"),
     (["--device", "cuda"], "sees 0 CUDA GPU(s)"),
     (["--cuda-graph", "--device", "cpu"], "--cuda-graph runs on one GPU"),
     (["--depth", "3"], "depth must be a positive even number"),
