@@ -8,27 +8,19 @@ Pre-train the Nanochat GPT on FineWeb-Edu once per recipe (BF16, Quartet II, ...
     python train.py --data hf --preset d20   # stream HuggingFaceFW/fineweb-edu (needs the network)
     torchrun --nproc_per_node=8 train.py --device-batch 16   # 8 GPUs (DDP): 131k tokens a step, 16 x 1024 each
 
-Every recipe starts from the same weights and reads the same windows of GPT-2 tokens in the same order, from the
-bundled sample (4.86M tokens of FineWeb-Edu) or the stream of --data hf, in a new order each epoch. A step adds up
-the gradients of micro-batches to --batch-tokens tokens (across all GPUs), then Muon and AdamW step (model.py) at a
-rate that warms up, stays, and decays to 0 over the last --warmdown of the steps. On a GPU the model is compiled; on
-one GPU each micro-batch is also captured in a CUDA graph (the host could not issue a quantized micro-batch's kernels
-as fast as they run). The table compares the final validation bits per byte; then every model continues the same
-prompts.
-
-A run lives in runs/<date>-<time>-<id> (or --out; runs/latest: the newest that has trained a step): run.json (its id,
-the flags that define it, the data's fingerprint), metrics.jsonl, a checkpoint per recipe, summary.json, loss.png.
-Nothing is lost: a file is written whole to FILE.tmp, then renamed over FILE (a crash or a full disk keeps the
-previous version), and a lock keeps a second process out. --resume continues every recipe exactly (bit for bit on a
-CPU; on a GPU with --deterministic), and only with the run's flags, data and checkpoints. A toy run (preset tiny)
-deletes its checkpoints when done: they are ~100x the rest.
+Top to bottom. The data: every recipe starts from the same weights and reads the same windows of GPT-2 tokens in the
+same order. A recipe's training: micro-batches add up their gradients to --batch-tokens, then Muon and AdamW step; on
+a GPU the model is compiled, and on one GPU each micro-batch is captured in a CUDA graph (the host could not issue its
+hundreds of kernels as fast as they run); evaluation in bits per byte. The run's directory, runs/<date>-<time>-<id>:
+nothing in it is lost to a crash or a full disk, a lock keeps a second process out, and --resume continues every
+recipe exactly (bit for bit; on a GPU with --deterministic), only with the run's flags and data. The comparison: the
+table, then every model continues the same prompts. A toy run (preset tiny) deletes its checkpoints when done.
 """
 
 import argparse
 import base64
 import contextlib
 import fcntl
-import functools
 import glob
 import gzip
 import hashlib
@@ -111,8 +103,8 @@ def local_texts(split, data_dir=DATA_DIR, digest=None):
 
 
 def streamed_texts(path, name=None, data_files=None, order=None):
-    """Texts streamed through Hugging Face `datasets` (a hub dataset, or local files with path="json"); with order =
-    (skip, seed, start), those after the first `skip`, shuffled with the seed through a buffer, from the start-th on."""
+    """Texts streamed by Hugging Face `datasets` (a hub dataset, or path="json" files); with order = (skip, seed,
+    start), those after the first `skip`, shuffled with the seed through a buffer, from the start-th on."""
     try:
         import datasets
     except ImportError:
@@ -183,8 +175,8 @@ class Windows:
 
 
 def validation_windows(documents, seq_len, count, multiple=1, bytes_per_token=None):
-    """A fixed set: the first `count` windows of the validation documents (fewer if they run out), a multiple of
-    `multiple` of them (every evaluation batch full). With bytes_per_token, they must hold text (bpb divides by it)."""
+    """The first `count` windows of the validation documents (fewer if they run out), a multiple of `multiple` (whole
+    evaluation batches). With bytes_per_token, they must hold text (bits per byte divides by it)."""
     tokens = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)
     if (count := min(count, len(tokens) // (seq_len + 1)) // multiple * multiple) == 0:
         raise TrainingError(f"the validation split holds no {multiple} window(s) of {seq_len + 1} tokens: raise "
@@ -203,8 +195,7 @@ def token_bytes(tokenizer):
 
 
 def bpb_sums(losses, targets, bytes_per_token):
-    """(a, b): the summed loss of the targets that have bytes, their UTF-8 bytes. Bits per byte, a / (ln 2 * b),
-    compares models whatever their tokenizer."""
+    """(a, b): the targets' summed loss and UTF-8 bytes, end-of-text left out. Bits per byte, a / (ln 2 * b)."""
     return losses.double()[bytes_per_token[targets] > 0].sum(), bytes_per_token[targets].sum()
 
 
@@ -216,10 +207,9 @@ class Processes:
     def __init__(self, device):
         rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
         if not (rank is world is None or str(rank).isdigit() and str(world).isdigit() and int(rank) < int(world)):
-            raise TrainingError(f"RANK={rank}, WORLD_SIZE={world}: not a process group; start several processes "
-                                f"with torchrun")
+            raise TrainingError(f"RANK={rank}, WORLD_SIZE={world}: start several processes with torchrun")
         self.rank, self.world, self.distributed = int(rank or 0), int(world or 1), rank is not None
-        self.log = functools.partial(print, flush=True) if self.rank == 0 else lambda *message: None
+        self.log = (lambda *message: print(*message, flush=True)) if self.rank == 0 else (lambda *message: None)
         try:
             self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
             assert self.device.type in ("cpu", "cuda")
@@ -247,8 +237,7 @@ def autocast(device, dtype):
 
 
 def compile_model(model):
-    """torch.compile as one graph (a graph break is an error, not a slowdown), from an empty cache: under fullgraph,
-    the eighth recompilation of GPT.forward (each new model, and evaluation, makes one) is an error."""
+    """torch.compile as one graph, from an empty cache: else a model's eighth recompilation of GPT.forward fails."""
     torch.compiler.reset()
     return torch.compile(model, fullgraph=True, dynamic=False)
 
@@ -275,12 +264,11 @@ def cuda_graph(fn, warmups=3):
 def train_recipe(recipe, args, processes, data, run_id):
     """Train one recipe from its first step or its checkpoint: its row of the table (None if --stop-after stops it)."""
     (documents, validation, bytes_per_token), device = data, processes.device
-    model, trained, optimizers, checkpoint = setup_recipe(recipe, args, processes, run_id)
+    model, trained, optimizers, micro_batch, checkpoint = setup_recipe(recipe, args, processes, run_id)
     start = checkpoint["step"] if checkpoint else 0
     windows = Windows(documents, args.seq_len, checkpoint and checkpoint["data"])
     history = checkpoint["history"] if checkpoint else dict(tokens_per_s=[], final_bpb=None, peak_memory_gb=None,
                                                             lowest_loss=math.inf)
-    micro_batch = micro_batch_step(model, trained, args, processes) if start < args.steps else None
     seconds, later = [], args.steps * (len(args.recipes) - 1 - args.recipes.index(recipe))  # the recipes after it
     for step in range(start + 1, args.steps + 1):  # numbered from 1, as the log and metrics.jsonl count them
         tic = time.time()
@@ -289,8 +277,7 @@ def train_recipe(recipe, args, processes, data, run_id):
         loss = loss.item()  # read only now (the host queued the optimizer while the GPU finished the backward): synced
         if not math.isfinite(loss):  # the weights it spoiled are never saved: the last checkpoint stays good
             raise TrainingError(f"[{recipe}] non-finite loss ({loss}) at step {step}; stopped, checkpoint kept")
-        if device.type == "cuda":
-            history["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+        history["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
         seconds.append(time.time() - tic)
         record = dict(run_id=run_id, recipe=recipe, step=step, loss=loss, lr_multiplier=multiplier,
                       tokens_per_s=args.batch_tokens / seconds[-1])
@@ -324,8 +311,9 @@ def train_recipe(recipe, args, processes, data, run_id):
 
 
 def setup_recipe(recipe, args, processes, run_id):
-    """(model, the model as trained: compiled, in DDP; (AdamW, Muon), checkpoint): the seed's initial weights, the same
-    for every recipe and rank, then the recipe's checkpoint if it has one, with its optimizers' and random states."""
+    """(model, the model as trained (compiled, in DDP), (AdamW, Muon), micro_batch, checkpoint): the seed's weights,
+    the same for every recipe and rank, then the recipe's checkpoint if any, with its optimizers' and random states.
+    micro_batch(tokens) -> loss: a micro-batch's forward and backward (its share of the step's mean loss)."""
     path, records, device = checkpoint_path(args.out, recipe), read_metrics(args.out), processes.device
     checkpoint = load_checkpoint(path, run_id, recipe) if os.path.exists(path) else None  # a new run holds none
     if not checkpoint and (written := [r["step"] for r in records if r["recipe"] == recipe and r.get("checkpoint")]):
@@ -355,39 +343,34 @@ def setup_recipe(recipe, args, processes, run_id):
                                                             [device.index])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    return model, trained, (adamw, muon), checkpoint
+    micro_batches = args.batch_tokens // (args.seq_len * args.device_batch * processes.world)
 
-
-def micro_batch_step(model, trained, args, processes):
-    """tokens -> loss: a micro-batch's forward and backward (its share of the step's mean loss); with --cuda-graph
-    captured on a static buffer, the random state put back after warm-up and capture: it draws what uncaptured draws."""
-    device, micro_batches = processes.device, args.batch_tokens // (args.seq_len * args.device_batch * processes.world)
-
-    def forward_backward(tokens):
+    def micro_batch(tokens):
         with autocast(device, args.dtype):
             loss = trained(tokens[:, :-1], tokens[:, 1:])
         (loss / micro_batches).backward()
         return loss.detach()
-    if not args.cuda_graph:
-        return forward_backward
+    if not args.cuda_graph or checkpoint and checkpoint["step"] == args.steps:
+        return model, trained, (adamw, muon), micro_batch, checkpoint
+    # --cuda-graph: captured on a static buffer, the random state put back after the warm-up and the capture (so that
+    # it draws what an uncaptured run draws); each replay overwrites the loss and adds into the gradients made here.
     static = torch.zeros(args.device_batch, args.seq_len + 1, dtype=torch.long, device=device)
     random_state = torch.cuda.get_rng_state(device)
     for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # the graph adds into these
-    replay, loss = cuda_graph(lambda: forward_backward(static))
+        p.grad = torch.zeros_like(p)
+    replay, loss = cuda_graph(lambda: micro_batch(static))
     torch.cuda.set_rng_state(random_state, device)
     model.zero_grad(set_to_none=False)  # the warm-up's gradients
 
     def captured(tokens):
         static.copy_(tokens)
         replay()
-        return loss  # overwritten by the next replay: used before then
-    return captured
+        return loss  # read before the next replay
+    return model, trained, (adamw, muon), captured, checkpoint
 
 
 def train_step(model, trained, optimizers, micro_batch, batch, step, args, processes):
-    """Optimizer step `step` (from 0) on this rank's windows: the micro-batches' gradients added up (DDP all-reduces
-    them at the last), AdamW and Muon at the schedule's rate. (The ranks' mean loss, not read yet; the lr factor.)"""
+    """Optimizer step `step` (from 0) on this rank's windows, DDP all-reducing at the last micro-batch: (loss, lr)."""
     adamw, muon = optimizers
     multiplier = lr_multiplier(step, args.steps, args.warmup_steps, args.warmdown)
     for group in adamw.param_groups + muon.param_groups:
@@ -443,17 +426,11 @@ def evaluate(model, windows, bytes_per_token, processes, args):
 # -----------------------------------------------------------------------------
 # The run's directory: where a run lives, and how nothing in it is lost
 def open_run(args, processes, fingerprint, cleanup):
-    """The run's id. Rank 0 decides, and every rank takes its answer (or its error): OUT is a new runs/<date>-<time>-
-    <id>, --out, or with --resume runs/latest, locked until `cleanup` closes by an flock on OUT/.lock (the OS drops it
-    when the process ends, even by a crash; a link is not followed). With --resume, run.json's flags and data must be
-    the ones given; else a new run.json is written (with --overwrite over the run there, whose files, and only those,
-    go). A directory that holds files but no run, or a file where a recipe's checkpoints go, is refused untouched."""
+    """The run's id: rank 0 claims the run's directory (claim_run), and every rank takes its answer, or its error."""
     outcome = None, None
     if processes.rank == 0:
-        out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}") if args.new_dir else \
-            os.path.realpath(args.out or os.path.join(RUNS, "latest"))
         try:
-            outcome = out, claim_run(args, out, processes.world, fingerprint, cleanup)
+            outcome = claim_run(args, processes.world, fingerprint, cleanup)
         except TrainingError as error:
             outcome = None, str(error)
     args.out, answer = processes.gather(outcome)[0]
@@ -462,8 +439,13 @@ def open_run(args, processes, fingerprint, cleanup):
     return answer
 
 
-def claim_run(args, out, world, fingerprint, cleanup):
-    """Rank 0's part of open_run: OUT locked, and its run's id."""
+def claim_run(args, world, fingerprint, cleanup):
+    """(OUT, its run's id): OUT is a new runs/<date>-<time>-<id>, --out, or with --resume runs/latest, locked until
+    `cleanup` closes by an flock on OUT/.lock (the OS drops it when the process ends, even by a crash; never through a
+    link); with --resume its run.json's flags and data must be the ones given, else a new run.json is written (with
+    --overwrite over the run there, whose files, and only those, go)."""
+    out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}") if args.new_dir else \
+        os.path.realpath(args.out or os.path.join(RUNS, "latest"))
     run = read_run(out, "resume") if args.resume else None
     try:
         names = set(os.listdir(out)) if os.path.isdir(out) else set()
@@ -489,7 +471,7 @@ def claim_run(args, out, world, fingerprint, cleanup):
             raise TrainingError(f"--resume cannot change flags that define the run: {', '.join(changed)}")
         if run.get("data_sha256") != fingerprint:
             raise TrainingError("the training data is not the run's (another --data-dir, or changed files)")
-        return run["run_id"]
+        return out, run["run_id"]
     if os.path.exists(os.path.join(out, "run.json")) and not args.overwrite:
         raise TrainingError(f"{out} holds a run: continue it with --resume, replace it with --overwrite")
     for name in ("metrics.jsonl", "summary.json", "loss.png", *(os.path.join(r, "checkpoint.pt") for r in RECIPES)):
@@ -497,7 +479,7 @@ def claim_run(args, out, world, fingerprint, cleanup):
             os.remove(os.path.join(out, name))
     run = dict(run_id=os.urandom(16).hex(), flags=flags, data_sha256=fingerprint)
     write_atomically(os.path.join(out, "run.json"), json.dumps(run, indent=1).encode())
-    return run["run_id"]
+    return out, run["run_id"]
 
 
 def read_run(out, purpose):
@@ -510,12 +492,11 @@ def read_run(out, purpose):
         assert isinstance(run.get("run_id"), str) and {"depth", "seq_len", "dtype", "seed"} <= run["flags"].keys()
         return run
     except (ValueError, AttributeError, AssertionError, KeyError):
-        raise TrainingError(f"{path} is not a run.json of train.py; restore it, or start over with --overwrite") from None
+        raise TrainingError(f"{path} is not a run.json of train.py; restore it, or --overwrite the run") from None
 
 
 def make_latest(out):
-    """runs/latest -> OUT, made under this process's own name (runs started together must not collide), then renamed
-    over the old one, atomically. A directory that a user put there is left alone."""
+    """runs/latest -> OUT, atomically, by a link of this process's own renamed over it (a user's directory stays)."""
     latest, temporary = os.path.join(RUNS, "latest"), os.path.join(RUNS, f"latest.{os.getpid()}.tmp")
     if os.path.islink(latest) or not os.path.exists(latest):
         with contextlib.suppress(FileNotFoundError):
@@ -567,11 +548,10 @@ def load_checkpoint(path, run_id=None, recipe=None):
         raise TrainingError(f"checkpoint {path} not found") from None
     except Exception as error:  # empty, truncated or foreign: it fails in many ways
         raise TrainingError(f"checkpoint {path} is unreadable ({type(error).__name__}): not train.py's") from None
-    for bad, problem in ((hashlib.sha256(payload).hexdigest().encode() != digest, "is corrupt (its checksum differs)"),
-                         (run_id not in (None, owner[0]), "belongs to another run"),
-                         (recipe not in (None, owner[1]), f"is the {owner[1]} recipe's, not {recipe}'s")):
-        if bad:
-            raise TrainingError(f"checkpoint {path} {problem}; restore the run's, or start over")
+    if problem := ("is corrupt (its checksum differs)" if hashlib.sha256(payload).hexdigest().encode() != digest else
+                   "belongs to another run" if run_id not in (None, owner[0]) else
+                   f"is the {owner[1]} recipe's, not {recipe}'s" if recipe not in (None, owner[1]) else None):
+        raise TrainingError(f"checkpoint {path} {problem}; restore the run's, or start over")
     return state
 
 
@@ -581,7 +561,7 @@ def read_metrics(out):
     for line in open(path, errors="replace").readlines() if os.path.exists(path) else []:
         with contextlib.suppress(ValueError, AttributeError):
             record = json.loads(line)
-            if all(isinstance(record.get(key), kind) for key, kind in (("recipe", str), ("step", int), ("loss", float))):
+            if all(isinstance(record.get(key), kind) for key, kind in dict(recipe=str, step=int, loss=float).items()):
                 records.append(record)
     return records
 
@@ -589,7 +569,7 @@ def read_metrics(out):
 # -----------------------------------------------------------------------------
 # The comparison, and the samples: every model continues the same prompts
 def summarize(rows, args, run_id, processes):
-    """Rank 0's end of a run: the table, the samples, OUT/summary.json and OUT/loss.png; the checkpoints, unless kept."""
+    """Rank 0's end of a run: the table, the samples, OUT/summary.json and loss.png; the checkpoints unless kept."""
     baseline, device = next((r["val_bpb"] for r in rows if r["recipe"] == "bf16"), None), processes.device
     print(f"\n{'recipe':<14}{'val bpb':>10}{'gap to bf16':>13}{'tokens/s':>12}{'peak memory':>13}")
     for r in rows:
@@ -600,9 +580,8 @@ def summarize(rows, args, run_id, processes):
         print(f"{r['recipe']:<14}{r['val_bpb']:>10.4f}{gap:>13}{speed:>12}{memory:>13}")
     emulated = not native_fp4_available(device)
     print("One seed per recipe: at small sizes, gaps of a few tenths of a percent are noise (bench.py study measures "
-          "it).\n" + ("On a CPU the quantized recipes run PyTorch's reference code: their tokens/s say nothing of NVFP4 "
-          "on a GPU." if device.type == "cpu" else "This GPU has no FP4 tensor cores: the quantized recipes pay for "
-          "quantizing without faster (BF16) GEMMs." if emulated else "The NVFP4 GEMMs ran on FP4 tensor cores."))
+          "it).\nTokens/s: " + ("of PyTorch's reference code, on a CPU." if device.type == "cpu" else "quantizing, "
+          "without faster GEMMs (no FP4 tensor cores)." if emulated else "with NVFP4 GEMMs on FP4 tensor cores."))
     print(f"\nEvery model continues the same prompts with the same draws (temperature {TEMPERATURE}, top {TOP_K}):")
     samples = recipe_samples(args, device, run_id, args.recipes, PROMPTS)
     summary = dict(run_id=run_id, rows=rows, prompts=PROMPTS, samples=samples, date=time.strftime("%Y-%m-%d"),
@@ -649,8 +628,8 @@ def plot(out, provenance):
 
 
 def recipe_samples(args, device, run_id, recipes, prompts):
-    """Each recipe's model, from its checkpoint, continues each prompt (after end-of-text, as a document starts), all
-    with the same draws of their own generator (training's stay as they were): printed by prompt, {recipe: texts}."""
+    """{recipe: its model's continuations of the prompts}, printed: each model from its checkpoint, all with the same
+    draws of their own generator (training's stay as they were), a prompt after end-of-text as a document starts."""
     tokenizer, samples = gpt2_tokenizer(), {}
     for recipe in recipes:
         with torch.random.fork_rng(devices=[]):  # initial weights, which the checkpoint's replace
@@ -754,12 +733,11 @@ def resolve(args, processes):
         (cuda and args.dtype == "float32" and args.recipes != ["bf16"],
          "the NVFP4 kernels take bfloat16 on a GPU: use --dtype bfloat16"),
         (args.out is not None and not args.out.strip(), "--out is empty: name a directory, or leave it out"),
-        (args.overwrite and (args.resume or args.out is None), "--overwrite replaces the run in a given --out (and "
-         "does not go with --resume)"),
+        (args.overwrite and (args.resume or args.out is None),
+         "--overwrite replaces the run in a given --out (and does not go with --resume)"),
         (args.data == "hf" and args.hf_dataset == "json" and not args.hf_files, "--hf-dataset json reads --hf-files")]
-    for bad, message in checks:
-        if bad:
-            raise TrainingError(message)
+    if problems := [message for bad, message in checks if bad]:
+        raise TrainingError(problems[0])
     with torch.device("meta"):  # the model's own rules (depth, layer and token counts), on a weightless model
         for recipe in args.recipes:
             GPT(args.depth, recipe, max_seq_len=args.seq_len)
@@ -768,8 +746,8 @@ def resolve(args, processes):
 
 
 def deterministic(cleanup):
-    """PyTorch's deterministic algorithms (else the compiled embedding backward adds in a varying order), with the
-    cuBLAS workspace they need and torch.empty left unfilled (a write per byte), until `cleanup` puts all back."""
+    """PyTorch's deterministic algorithms (else the compiled embedding backward adds in a varying order) with the cuBLAS
+    workspace they need, torch.empty left unfilled (a write per byte), until `cleanup` puts all back."""
     if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:  # read when cuBLAS starts: before any GEMM
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         cleanup.callback(os.environ.pop, "CUBLAS_WORKSPACE_CONFIG", None)
@@ -803,7 +781,8 @@ def main(argv=None):
             if args.sample is not None:
                 return sample_run(args, processes.device)
             args, tokenizer = resolve(args, processes), gpt2_tokenizer()
-            (documents, validation, fingerprint), bytes_per_token = data_sources(args, tokenizer), token_bytes(tokenizer)
+            documents, validation, fingerprint = data_sources(args, tokenizer)
+            bytes_per_token = token_bytes(tokenizer)
             validation = validation_windows(validation, args.seq_len, args.eval_tokens // args.seq_len,
                                             args.device_batch * processes.world, bytes_per_token)
             run_id = open_run(args, processes, fingerprint, cleanup)
