@@ -8,13 +8,10 @@ Pre-train the Nanochat GPT on FineWeb-Edu once per recipe (BF16, Quartet II, ...
     python train.py --data hf --preset d20   # stream HuggingFaceFW/fineweb-edu (needs the network)
     torchrun --nproc_per_node=8 train.py --device-batch 16   # 8 GPUs (DDP): 131k tokens a step, 16 x 1024 each
 
-Top to bottom. The data: every recipe starts from the same weights and reads the same windows of GPT-2 tokens in the
-same order. A recipe's training: micro-batches add up their gradients to --batch-tokens, then Muon and AdamW step; on
-a GPU the model is compiled, and on one GPU each micro-batch is captured in a CUDA graph (the host could not issue its
-hundreds of kernels as fast as they run); evaluation in bits per byte. The run's directory, runs/<date>-<time>-<id>:
-nothing in it is lost to a crash or a full disk, a lock keeps a second process out, and --resume continues every
-recipe exactly (bit for bit; on a GPU with --deterministic), only with the run's flags and data. The comparison: the
-table, then every model continues the same prompts. A toy run (preset tiny) deletes its checkpoints when done.
+Top to bottom: the data (every recipe starts from the same weights and reads the same windows in the same order); a
+recipe's training (micro-batches add up to --batch-tokens, then Muon and AdamW step; on one GPU each micro-batch is a
+CUDA graph's replay) and its evaluation in bits per byte; the run's directory (atomic writes, a lock, and --resume
+exact with the run's own flags and data); the comparison table and the samples.
 """
 
 import argparse
@@ -103,8 +100,7 @@ def local_texts(split, data_dir=DATA_DIR, digest=None):
 
 
 def streamed_texts(path, name=None, data_files=None, order=None):
-    """Texts streamed by Hugging Face `datasets` (a hub dataset, or path="json" files); with order = (skip, seed,
-    start), those after the first `skip`, shuffled with the seed through a buffer, from the start-th on."""
+    """Texts streamed by Hugging Face `datasets`; order = (skip, seed, start): skip, shuffle through a buffer, skip."""
     try:
         import datasets
     except ImportError:
@@ -123,8 +119,7 @@ def streamed_texts(path, name=None, data_files=None, order=None):
 
 
 def data_sources(args, tokenizer):
-    """(documents(epoch, start): an epoch's token arrays from its start-th on, validation token arrays, fingerprint):
-    the bundled sample and its files' SHA-256, or the stream, whose first --val-docs documents are the validation."""
+    """(documents(epoch, start), validation documents, the files' SHA-256): the bundled sample, or the stream."""
     if args.data == "local":
         digest = hashlib.sha256()
         train, val = local_texts("train", args.data_dir, digest), local_texts("val", args.data_dir, digest)
@@ -148,8 +143,7 @@ def shuffled_epochs(documents, seed):
 
 
 class Windows:
-    """Packs token arrays (documents) into windows of seq_len + 1 tokens, epoch after epoch. Its position (epoch,
-    documents read, leftover tokens) goes into checkpoints, so a resumed run sees exactly the windows it would have."""
+    """Token arrays packed into windows of seq_len + 1 tokens, epoch after epoch; its position resumes exactly."""
 
     def __init__(self, documents, seq_len, state=None):
         state = state or dict(epoch=0, document=0, buffer=[])
@@ -175,8 +169,7 @@ class Windows:
 
 
 def validation_windows(documents, seq_len, count, multiple=1, bytes_per_token=None):
-    """The first `count` windows of the validation documents (fewer if they run out), a multiple of `multiple` (whole
-    evaluation batches). With bytes_per_token, they must hold text (bits per byte divides by it)."""
+    """The first `count` windows of the documents, or fewer, a multiple of `multiple`; with text if bytes_per_token."""
     tokens = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)
     if (count := min(count, len(tokens) // (seq_len + 1)) // multiple * multiple) == 0:
         raise TrainingError(f"the validation split holds no {multiple} window(s) of {seq_len + 1} tokens: raise "
@@ -311,14 +304,11 @@ def train_recipe(recipe, args, processes, data, run_id):
 
 
 def setup_recipe(recipe, args, processes, run_id):
-    """(model, the model as trained (compiled, in DDP), (AdamW, Muon), micro_batch, checkpoint): the seed's weights,
-    the same for every recipe and rank, then the recipe's checkpoint if any, with its optimizers' and random states.
-    micro_batch(tokens) -> loss: a micro-batch's forward and backward (its share of the step's mean loss)."""
+    """(model, model as trained (compiled, DDP), (AdamW, Muon), micro_batch(tokens) -> loss, checkpoint): the seed's
+    weights (the same for every recipe and rank), then the recipe's checkpoint if it has one."""
     path, records, device = checkpoint_path(args.out, recipe), read_metrics(args.out), processes.device
-    checkpoint = load_checkpoint(path, run_id, recipe) if os.path.exists(path) else None  # a new run holds none
-    if not checkpoint and (written := [r["step"] for r in records if r["recipe"] == recipe and r.get("checkpoint")]):
-        raise TrainingError(f"[{recipe}] its checkpoint of step {written[-1]} is gone ({path}): restore it, or start "
-                            f"a new run (a tiny run deletes its checkpoints when done, unless --keep-checkpoints)")
+    written = any(r["recipe"] == recipe and r.get("checkpoint") for r in records)  # then it must be there
+    checkpoint = load_checkpoint(path, run_id, recipe) if written or os.path.exists(path) else None
     if checkpoint and checkpoint["step"] > args.steps:
         raise TrainingError(f"[{recipe}] --steps {args.steps} is below its checkpoint's step {checkpoint['step']}: a "
                             f"run can be extended, not shortened")
@@ -352,8 +342,7 @@ def setup_recipe(recipe, args, processes, run_id):
         return loss.detach()
     if not args.cuda_graph or checkpoint and checkpoint["step"] == args.steps:
         return model, trained, (adamw, muon), micro_batch, checkpoint
-    # --cuda-graph: captured on a static buffer, the random state put back after the warm-up and the capture (so that
-    # it draws what an uncaptured run draws); each replay overwrites the loss and adds into the gradients made here.
+    # --cuda-graph on a static buffer; the random state put back after the capture draws what an uncaptured run draws
     static = torch.zeros(args.device_batch, args.seq_len + 1, dtype=torch.long, device=device)
     random_state = torch.cuda.get_rng_state(device)
     for p in model.parameters():
@@ -427,12 +416,10 @@ def evaluate(model, windows, bytes_per_token, processes, args):
 # The run's directory: where a run lives, and how nothing in it is lost
 def open_run(args, processes, fingerprint, cleanup):
     """The run's id: rank 0 claims the run's directory (claim_run), and every rank takes its answer, or its error."""
-    outcome = None, None
-    if processes.rank == 0:
-        try:
-            outcome = claim_run(args, processes.world, fingerprint, cleanup)
-        except TrainingError as error:
-            outcome = None, str(error)
+    try:
+        outcome = claim_run(args, processes.world, fingerprint, cleanup) if processes.rank == 0 else (None, None)
+    except TrainingError as error:
+        outcome = None, str(error)
     args.out, answer = processes.gather(outcome)[0]
     if args.out is None:
         raise TrainingError(answer)
@@ -440,10 +427,7 @@ def open_run(args, processes, fingerprint, cleanup):
 
 
 def claim_run(args, world, fingerprint, cleanup):
-    """(OUT, its run's id): OUT is a new runs/<date>-<time>-<id>, --out, or with --resume runs/latest, locked until
-    `cleanup` closes by an flock on OUT/.lock (the OS drops it when the process ends, even by a crash; never through a
-    link); with --resume its run.json's flags and data must be the ones given, else a new run.json is written (with
-    --overwrite over the run there, whose files, and only those, go)."""
+    """(OUT, run id): a new runs/<date>-<time>-<id>, --out, or runs/latest to resume; locked until `cleanup` closes."""
     out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}") if args.new_dir else \
         os.path.realpath(args.out or os.path.join(RUNS, "latest"))
     run = read_run(out, "resume") if args.resume else None
@@ -454,7 +438,7 @@ def claim_run(args, world, fingerprint, cleanup):
         os.makedirs(out, exist_ok=True)
         lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
         cleanup.callback(os.close, lock)
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the OS drops it when the process ends, even by a crash
     except BlockingIOError:
         raise TrainingError(f"{out} is in use by another run; wait for it or use another --out") from None
     except OSError as error:
@@ -506,8 +490,8 @@ def make_latest(out):
 
 
 def write_atomically(path, *chunks):
-    """The bytes to path.tmp (the run's lock keeps out a second writer), flushed to the disk and renamed over path: a
-    crash or a full disk keeps the previous version; an error removes the temporary file and says why in one line."""
+    """The bytes to path.tmp, flushed to the disk and renamed over path: a crash or a full disk keeps the previous
+    version (the run's lock keeps out a second writer); an error removes path.tmp and says why in one line."""
     temporary, kept = f"{path}.tmp", "; its previous version is kept" if os.path.exists(path) else ""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -545,7 +529,8 @@ def load_checkpoint(path, run_id=None, recipe=None):
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
         owner = state["run_id"], state["recipe"], state["step"], state["model"]
     except FileNotFoundError:
-        raise TrainingError(f"checkpoint {path} not found") from None
+        raise TrainingError(f"checkpoint {path} not found: restore it, or start a new run (a tiny run deletes its "
+                            f"checkpoints when done, unless --keep-checkpoints)") from None
     except Exception as error:  # empty, truncated or foreign: it fails in many ways
         raise TrainingError(f"checkpoint {path} is unreadable ({type(error).__name__}): not train.py's") from None
     if problem := ("is corrupt (its checksum differs)" if hashlib.sha256(payload).hexdigest().encode() != digest else
@@ -628,8 +613,7 @@ def plot(out, provenance):
 
 
 def recipe_samples(args, device, run_id, recipes, prompts):
-    """{recipe: its model's continuations of the prompts}, printed: each model from its checkpoint, all with the same
-    draws of their own generator (training's stay as they were), a prompt after end-of-text as a document starts."""
+    """{recipe: its model's continuations of the prompts}, printed: each from its checkpoint, with the same draws."""
     tokenizer, samples = gpt2_tokenizer(), {}
     for recipe in recipes:
         with torch.random.fork_rng(devices=[]):  # initial weights, which the checkpoint's replace
@@ -637,8 +621,8 @@ def recipe_samples(args, device, run_id, recipes, prompts):
         model.load_state_dict(load_checkpoint(checkpoint_path(args.out, recipe), run_id, recipe)["model"])
         samples[recipe] = []
         for prompt in prompts:
-            tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=device)
-            generator = torch.Generator(device).manual_seed(args.seed)
+            tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=device)  # as a document starts
+            generator = torch.Generator(device).manual_seed(args.seed)  # training's draws stay as they were
             with autocast(device, args.dtype):
                 written = model.generate(tokens, args.sample_tokens, TEMPERATURE, TOP_K, generator)[0, tokens.shape[1]:]
             samples[recipe].append(tokenizer.decode(written.tolist()).split("<|endoftext|>")[0])  # a document's end
@@ -654,9 +638,6 @@ def sample_run(args, device):
     """--sample: the run's models (--out, or runs/latest) continue the prompt with its seed (on a GPU in BF16)."""
     args.out = os.path.realpath(args.out or os.path.join(RUNS, "latest"))
     run, recipes = read_run(args.out, "sample"), list(dict.fromkeys(r["recipe"] for r in read_metrics(args.out)))
-    if missing := [checkpoint_path(args.out, r) for r in recipes if not os.path.exists(checkpoint_path(args.out, r))]:
-        raise TrainingError(f"{missing[0]} not found: samples come from a run's checkpoints (a tiny run deletes its "
-                            f"own when done, unless --keep-checkpoints)")
     if not recipes:
         raise TrainingError(f"nothing to sample: no model of {args.out} has trained a step")
     args.depth, args.seq_len, args.seed = (run["flags"][name] for name in ("depth", "seq_len", "seed"))
@@ -746,16 +727,15 @@ def resolve(args, processes):
 
 
 def deterministic(cleanup):
-    """PyTorch's deterministic algorithms (else the compiled embedding backward adds in a varying order) with the cuBLAS
-    workspace they need, torch.empty left unfilled (a write per byte), until `cleanup` puts all back."""
-    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:  # read when cuBLAS starts: before any GEMM
+    """Deterministic algorithms (the compiled embedding backward adds in a varying order) until `cleanup`."""
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:  # the workspace they need, read when cuBLAS starts
         os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
         cleanup.callback(os.environ.pop, "CUBLAS_WORKSPACE_CONFIG", None)
     cleanup.callback(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())
     cleanup.callback(setattr, torch.utils.deterministic, "fill_uninitialized_memory",
                      torch.utils.deterministic.fill_uninitialized_memory)
     torch.use_deterministic_algorithms(True)
-    torch.utils.deterministic.fill_uninitialized_memory = False
+    torch.utils.deterministic.fill_uninitialized_memory = False  # else torch.empty writes every byte
 
 
 def out_of_memory(error):
