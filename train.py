@@ -528,9 +528,9 @@ def load_checkpoint(path, run_id=None, recipe=None):
             digest, payload = f.read(64), f.read()
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
         owner = state["run_id"], state["recipe"], state["step"], state["model"]
-    except FileNotFoundError:
-        raise TrainingError(f"checkpoint {path} not found: restore it, or start a new run (a tiny run deletes its "
-                            f"checkpoints when done, unless --keep-checkpoints)") from None
+    except FileNotFoundError:  # the hint for a run's own checkpoint (bench.py loads any)
+        raise TrainingError(f"checkpoint {path} not found" + (": restore it, or start a new run (a tiny run deletes "
+                            "its checkpoints when done, unless --keep-checkpoints)" if run_id else "")) from None
     except Exception as error:  # empty, truncated or foreign: it fails in many ways
         raise TrainingError(f"checkpoint {path} is unreadable ({type(error).__name__}): not train.py's") from None
     if problem := ("is corrupt (its checksum differs)" if hashlib.sha256(payload).hexdigest().encode() != digest else
