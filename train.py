@@ -8,26 +8,10 @@ Pre-train the Nanochat GPT on FineWeb-Edu once per recipe (BF16, Quartet II, ...
     python train.py --data hf --preset d20   # stream HuggingFaceFW/fineweb-edu (needs the network)
     torchrun --nproc_per_node=8 train.py --device-batch 16   # 8 GPUs (DDP): 131k tokens a step, 16 x 1024 each
 
-Every recipe starts from the same weights and sees the same data in the same order. The data: documents tokenized
-with GPT-2's BPE, each followed by end-of-text, concatenated and cut into windows of seq_len + 1 tokens. The bundled
-sample (4,788 training documents, 4.86M tokens, and 253 validation ones of FineWeb-Edu, ODC-By 1.0) is read in a new
-order each epoch; so is the stream of --data hf.
-
-A step: micro-batches of --device-batch windows add up their gradients until --batch-tokens tokens (across all
-GPUs), then Muon and AdamW step (model.py). The learning rate warms up, stays, then decays to 0 over the last
---warmdown of the steps. On a GPU the model is compiled. On one GPU each micro-batch's forward + backward is also
-captured in a CUDA graph: the host could not issue a quantized micro-batch's hundreds of kernels as fast as they run.
-
-A run lives in runs/<date>-<time>-<id> (or --out); runs/latest names the newest that has trained a step. It holds
-run.json (its id, the flags that define it, the data's fingerprint), metrics.jsonl, a checkpoint per recipe,
-summary.json and loss.png. Nothing is lost: a file is written whole to FILE.tmp, then renamed over FILE, so a crash
-or a full disk keeps the previous version; a lock keeps a second process out. --resume continues every recipe exactly
-(bit for bit on a CPU; on a GPU with --deterministic), and only with the run's flags, data and checkpoints. A toy run
-(preset tiny) deletes its checkpoints when done: they are ~100x the rest.
-
-The table compares the final validation bits per byte: the target tokens' summed loss / (ln 2 * their UTF-8 bytes),
-end-of-text excluded, a measure of compression that does not depend on the tokenizer. Then every model continues the
-same prompts with the same random draws; summary.json keeps the table and these samples.
+Top to bottom: the data (every recipe starts from the same weights and reads the same windows in the same order); a
+recipe's training (micro-batches add up to --batch-tokens, then Muon and AdamW step; on one GPU each micro-batch is a
+CUDA graph's replay) and its evaluation in bits per byte; the run's directory (atomic writes, a lock, and --resume
+exact with the run's own flags and data); the comparison table and the samples.
 """
 
 import argparse
@@ -46,7 +30,6 @@ import random
 import sys
 import textwrap
 import time
-import uuid
 
 import numpy as np
 import tiktoken
@@ -60,20 +43,15 @@ DATA_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data")
 TOKENIZER_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"  # OpenAI's r50k_base.tiktoken
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}++| ?\p{N}++| ?[^\s\p{L}\p{N}]++|\s++$|\s+(?!\S)|\s"""
 EOT = 50256
-FLOAT32_MAX = torch.finfo(torch.float32).max
 RUNS = "runs"
-PRESETS = {  # a flat set of defaults per size; any flag given on the command line wins
-    "tiny": dict(depth=2, seq_len=128, device_batch=8, batch_tokens=1024, steps=40, eval_every=20, eval_tokens=8192,
-                 keep_checkpoints=False),
-    "small": dict(depth=4, seq_len=512, device_batch=64, batch_tokens=2**16, steps=200, eval_every=50,
-                  eval_tokens=2**18, keep_checkpoints=True),
-    "d12": dict(depth=12, seq_len=1024, device_batch=32, batch_tokens=2**17, steps=140, eval_every=35,
-                eval_tokens=2**18, keep_checkpoints=True),
-    "d20": dict(depth=20, seq_len=2048, device_batch=32, batch_tokens=2**19, steps=2000, eval_every=250,
-                eval_tokens=2**20, keep_checkpoints=True),
-}
-# The flags that define a run: --resume refuses to change them (--steps may grow: that extends the run).
-# (the validation windows are a multiple of --device-batch: changing it would change the validation set).
+PRESETS = {  # defaults per size (a flag given on the command line wins), a row each
+    name: dict(zip(("depth", "seq_len", "device_batch", "batch_tokens", "steps", "eval_every", "eval_tokens",
+                    "keep_checkpoints"), values)) for name, *values in (
+        ("tiny", 2, 128, 8, 1024, 40, 20, 8192, False),
+        ("small", 4, 512, 64, 2**16, 200, 50, 2**18, True),
+        ("d12", 12, 1024, 32, 2**17, 140, 35, 2**18, True),
+        ("d20", 20, 2048, 32, 2**19, 2000, 250, 2**20, True))}
+# What defines a run: --resume refuses to change these (--steps may grow; --device-batch shapes the validation set)
 RUN_FLAGS = ("depth", "seq_len", "batch_tokens", "device_batch", "warmup_steps", "warmdown", "lr_matrix",
              "lr_embedding", "lr_head", "eval_tokens", "data", "hf_dataset", "hf_config", "hf_files", "val_docs",
              "dtype", "seed")
@@ -86,12 +64,9 @@ class TrainingError(Exception):
 
 
 # -----------------------------------------------------------------------------
-# Data
-
-
+# Data: documents, cut into windows; bits per byte
 def gpt2_tokenizer(path=os.path.join(DATA_DIR, "gpt2.tiktoken")):
-    """GPT-2's BPE from the shipped file (a token's bytes in base64 and its rank per line), checked against its SHA-256
-    (tiktoken's own loader keeps an unchecked copy in a shared cache)."""
+    """GPT-2's BPE from the shipped file, checked against its SHA-256 (tiktoken's loader caches an unchecked copy)."""
     with open(path, "rb") as f:
         content = f.read()
     if hashlib.sha256(content).hexdigest() != TOKENIZER_SHA256:
@@ -105,29 +80,27 @@ def tokenize(tokenizer, texts):
     return [np.array(tokens + [EOT], dtype=np.int32) for tokens in tokenizer.encode_ordinary_batch(texts)]
 
 
-def local_files(data_dir, split):
-    return sorted(glob.glob(os.path.join(glob.escape(data_dir), f"fineweb_edu_{split}_*.jsonl.gz")))
-
-
-def local_texts(split, data_dir=DATA_DIR):
-    """The bundled sample's texts (gzipped JSON lines with a "text" string)."""
-    texts, files = [], local_files(data_dir, split)
-    for name in files:
+def local_texts(split, data_dir=DATA_DIR, digest=None):
+    """The bundled sample's texts (gzipped JSON lines with a "text" string); each file's name and bytes into digest."""
+    texts = []
+    for name in sorted(glob.glob(os.path.join(glob.escape(data_dir), f"fineweb_edu_{split}_*.jsonl.gz"))):
         try:
-            with gzip.open(name, "rt", encoding="utf-8") as f:
-                texts += [json.loads(line)["text"] for line in f if line.strip()]
+            with open(name, "rb") as f:
+                content = f.read()
+            texts += [json.loads(line)["text"] for line in gzip.decompress(content).splitlines() if line.strip()]
             assert all(isinstance(text, str) for text in texts), "a \"text\" that is not a string"
         except (OSError, EOFError, ValueError, KeyError, TypeError, AssertionError) as error:
             raise TrainingError(f"{name} is not gzipped JSON lines with a \"text\" string ({type(error).__name__}: "
                                 f"{error}); restore it from the repository") from None
+        if digest:
+            digest.update(os.path.basename(name).encode() + content)
     if not texts:  # no files, or empty ones
         raise TrainingError(f"no {split} documents in {data_dir} (the sample ships in data/; or use --data hf)")
     return texts
 
 
 def streamed_texts(path, name=None, data_files=None, order=None):
-    """Texts streamed through Hugging Face `datasets` (a hub dataset, or local files with path="json"); with order =
-    (skip, seed, start), those after the first `skip`, shuffled with the seed through a buffer, from the start-th on."""
+    """Texts streamed by Hugging Face `datasets`; order = (skip, seed, start): skip, shuffle through a buffer, skip."""
     try:
         import datasets
     except ImportError:
@@ -146,19 +119,16 @@ def streamed_texts(path, name=None, data_files=None, order=None):
 
 
 def data_sources(args, tokenizer):
-    """(documents(epoch, start): an epoch's token arrays from its start-th on, validation token arrays, fingerprint):
-    the bundled sample and its files' SHA-256, or the stream, whose first --val-docs documents are the validation."""
+    """(documents(epoch, start), validation documents, the files' SHA-256): the bundled sample, or the stream."""
     if args.data == "local":
-        digest, train, val = hashlib.sha256(), local_texts("train", args.data_dir), local_texts("val", args.data_dir)
-        for name in local_files(args.data_dir, "train") + local_files(args.data_dir, "val"):
-            with open(name, "rb") as f:  # readable: local_texts read it
-                digest.update(os.path.basename(name).encode() + f.read())
+        digest = hashlib.sha256()
+        train, val = local_texts("train", args.data_dir, digest), local_texts("val", args.data_dir, digest)
         return shuffled_epochs(tokenize(tokenizer, train), args.seed), tokenize(tokenizer, val), digest.hexdigest()
     name = args.hf_config or None
     validation = list(itertools.islice(streamed_texts(args.hf_dataset, name, args.hf_files), args.val_docs))
 
-    def epoch_stream(epoch, start):
-        order = args.val_docs, epoch_seed(args.seed, epoch), start
+    def epoch_stream(epoch, start):  # each epoch's order seeded as shuffled_epochs seeds it
+        order = args.val_docs, args.seed * 1000003 + epoch, start
         return (tokenize(tokenizer, [text])[0] for text in streamed_texts(args.hf_dataset, name, args.hf_files, order))
     return epoch_stream, tokenize(tokenizer, validation), None  # a stream is named by its flags
 
@@ -167,55 +137,41 @@ def shuffled_epochs(documents, seed):
     """documents(epoch, start) over a fixed list, in a new order each epoch (reproducible from the seed)."""
     def epoch_documents(epoch, start):
         order = list(range(len(documents)))
-        random.Random(epoch_seed(seed, epoch)).shuffle(order)
+        random.Random(seed * 1000003 + epoch).shuffle(order)  # another order for every epoch and every --seed
         return (documents[i] for i in order[start:])
     return epoch_documents
 
 
-def epoch_seed(seed, epoch):  # the seed of an epoch's order: another for every epoch and every --seed
-    return seed * 1000003 + epoch
-
-
 class Windows:
-    """Packs token arrays (documents) into windows of seq_len + 1 tokens, epoch after epoch. Its position (epoch,
-    documents read, leftover tokens) goes into checkpoints, so a resumed run sees exactly the windows it would have."""
+    """Token arrays packed into windows of seq_len + 1 tokens, epoch after epoch; its position resumes exactly."""
 
     def __init__(self, documents, seq_len, state=None):
-        self.documents, self.seq_len = documents, seq_len
         state = state or dict(epoch=0, document=0, buffer=[])
-        self.epoch, self.document = state["epoch"], state["document"]
-        self.buffer = np.array(state["buffer"], dtype=np.int32)
-        self.stream = self.documents(self.epoch, self.document)
+        self.documents, self.seq_len, self.epoch, self.document = documents, seq_len, state["epoch"], state["document"]
+        self.buffer, self.stream = np.array(state["buffer"], dtype=np.int32), documents(self.epoch, self.document)
 
     def state_dict(self):
         return dict(epoch=self.epoch, document=self.document, buffer=self.buffer.tolist())
 
-    def next_batch(self, count):
-        """The next `count` windows: [count, seq_len + 1]."""
-        needed = count * (self.seq_len + 1)
-        pieces, have = [self.buffer], len(self.buffer)
+    def next_batch(self, count):  # [count, seq_len + 1]
+        needed, pieces, have = count * (self.seq_len + 1), [self.buffer], len(self.buffer)
         while have < needed:
-            tokens = next(self.stream, None)
-            if tokens is None:  # this epoch is over: start the next one
+            if (tokens := next(self.stream, None)) is None:  # this epoch is over: start the next one
                 if self.document == 0:
                     raise TrainingError("the training data holds no documents")
-                self.epoch, self.document = self.epoch + 1, 0
-                self.stream = self.documents(self.epoch, 0)
+                self.epoch, self.document, self.stream = self.epoch + 1, 0, self.documents(self.epoch + 1, 0)
                 continue
-            self.document += 1
+            self.document, have = self.document + 1, have + len(tokens)
             pieces.append(tokens)
-            have += len(tokens)
         tokens = np.concatenate(pieces)
         self.buffer = tokens[needed:]
         return torch.from_numpy(tokens[:needed].astype(np.int64)).view(count, self.seq_len + 1)
 
 
 def validation_windows(documents, seq_len, count, multiple=1, bytes_per_token=None):
-    """A fixed set: the first `count` windows of the validation documents (fewer if they run out), a multiple of
-    `multiple` of them (every evaluation batch full). With bytes_per_token, they must hold text (bpb divides by it)."""
+    """The first `count` windows of the documents, or fewer, a multiple of `multiple`; with text if bytes_per_token."""
     tokens = np.concatenate(documents) if documents else np.zeros(0, dtype=np.int32)
-    count = min(count, len(tokens) // (seq_len + 1)) // multiple * multiple
-    if count == 0:
+    if (count := min(count, len(tokens) // (seq_len + 1)) // multiple * multiple) == 0:
         raise TrainingError(f"the validation split holds no {multiple} window(s) of {seq_len + 1} tokens: raise "
                             f"--eval-tokens to {multiple * seq_len}, or lower --device-batch")
     windows = torch.from_numpy(tokens[:count * (seq_len + 1)].astype(np.int64)).view(count, seq_len + 1)
@@ -232,33 +188,26 @@ def token_bytes(tokenizer):
 
 
 def bpb_sums(losses, targets, bytes_per_token):
-    """(sum of the losses, sum of the UTF-8 bytes) over the targets that have bytes: bpb = a / (ln 2 * b)."""
-    counted = bytes_per_token[targets] > 0
-    return losses.double()[counted].sum(), bytes_per_token[targets].sum()
+    """(a, b): the targets' summed loss and UTF-8 bytes, end-of-text left out. Bits per byte, a / (ln 2 * b)."""
+    return losses.double()[bytes_per_token[targets] > 0].sum(), bytes_per_token[targets].sum()
 
 
 # -----------------------------------------------------------------------------
-# Devices, compilation, CUDA graphs, evaluation
-
-
+# Devices, compilation, CUDA graphs
 class Processes:
     """This process's device and rank among the run's processes (DDP under torchrun; else one process)."""
 
     def __init__(self, device):
         rank, world = os.environ.get("RANK"), os.environ.get("WORLD_SIZE")
-        self.distributed = rank is not None
-        try:  # torchrun's environment, or none
-            self.rank, self.world = int(rank or 0), int(world or 1)
-            assert 0 <= self.rank < self.world and (world is None) == (rank is None)
-        except (ValueError, AssertionError):
-            raise TrainingError(f"RANK={rank} and WORLD_SIZE={world} are not a process of a group: start several "
-                                f"processes with torchrun") from None
+        if not (rank is world is None or str(rank).isdigit() and str(world).isdigit() and int(rank) < int(world)):
+            raise TrainingError(f"RANK={rank}, WORLD_SIZE={world}: start several processes with torchrun")
+        self.rank, self.world, self.distributed = int(rank or 0), int(world or 1), rank is not None
+        self.log = (lambda *message: print(*message, flush=True)) if self.rank == 0 else (lambda *message: None)
         try:
             self.device = torch.device(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-        except RuntimeError:
-            raise TrainingError(f"--device {device!r} is not a device: use auto, cpu, cuda or cuda:N") from None
-        if self.device.type not in ("cpu", "cuda"):
-            raise TrainingError(f"--device {device}: train.py runs on cpu or cuda")
+            assert self.device.type in ("cpu", "cuda")
+        except (RuntimeError, AssertionError):
+            raise TrainingError(f"--device {device!r} is not a device here: train.py runs on cpu or cuda") from None
         if self.device.type == "cuda":  # cuda alone: under torchrun the process's LOCAL_RANK, else GPU 0
             index = int(os.environ.get("LOCAL_RANK", 0)) if self.device.index is None else self.device.index
             if index >= torch.cuda.device_count():
@@ -268,19 +217,12 @@ class Processes:
         if self.distributed and not dist.is_initialized():
             dist.init_process_group("nccl" if self.device.type == "cuda" else "gloo")
 
-    def log(self, *message):
-        if self.rank == 0:
-            print(*message, flush=True)
-
     def all_sum(self, tensor):
         return dist.all_reduce(tensor) or tensor if self.distributed else tensor
 
-    def gather(self, value):
-        """[rank 0's value, rank 1's, ...] on every rank."""
+    def gather(self, value):  # [rank 0's value, rank 1's, ...] on every rank
         values = [value] * self.world
-        if self.distributed:
-            dist.all_gather_object(values, value)
-        return values
+        return dist.all_gather_object(values, value) or values if self.distributed else values
 
 
 def autocast(device, dtype):
@@ -288,16 +230,14 @@ def autocast(device, dtype):
 
 
 def compile_model(model):
-    """torch.compile as one graph (fullgraph: a graph break is an error, not a slowdown), from an empty cache: under
-    fullgraph, the eighth recompilation of GPT.forward (each new model, and evaluation, makes one) is an error."""
+    """torch.compile as one graph, from an empty cache: else a model's eighth recompilation of GPT.forward fails."""
     torch.compiler.reset()
     return torch.compile(model, fullgraph=True, dynamic=False)
 
 
 def cuda_graph(fn, warmups=3):
-    """fn (static tensors in and out) captured in a CUDA graph: (replay, fn's output, refreshed by each replay). The
-    warm-ups (which compile) run on a side stream, as torch.cuda.graph requires. Each replay draws its randomness anew
-    and adds into gradients that existed before the capture."""
+    """fn (static tensors in and out) in a CUDA graph: (replay, fn's output, refreshed by each replay), warmed up (and
+    compiled) on a side stream as torch.cuda.graph requires. A replay draws anew and adds into existing gradients."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -312,99 +252,45 @@ def cuda_graph(fn, warmups=3):
     return graph.replay, output
 
 
-def micro_batch_step(model, trained, args, device, micro_batches):
-    """tokens -> loss: one micro-batch's forward and backward (its share of the step's mean loss); with --cuda-graph
-    captured on a static token buffer, the random state put back after the warm-up and the capture so that a
-    captured run draws what an uncaptured one draws."""
-    def forward_backward(tokens):
-        with autocast(device, args.dtype):
-            loss = trained(tokens[:, :-1], tokens[:, 1:])
-        (loss / micro_batches).backward()
-        return loss.detach()
-    if not args.cuda_graph:
-        return forward_backward
-    static = torch.zeros(args.device_batch, args.seq_len + 1, dtype=torch.long, device=device)
-    random_state = torch.cuda.get_rng_state(device)
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)  # the graph adds into these
-    replay, loss = cuda_graph(lambda: forward_backward(static))
-    torch.cuda.set_rng_state(random_state, device)
-    model.zero_grad(set_to_none=False)  # the warm-up's gradients
-
-    def captured(tokens):
-        static.copy_(tokens)
-        replay()
-        return loss  # overwritten by the next replay: used before then
-    return captured
-
-
-def evaluate(model, windows, bytes_per_token, processes, args):
-    """Validation bits per byte over the fixed validation windows (each rank takes a share)."""
-    model.eval()
-    sums = torch.zeros(2, dtype=torch.float64, device=processes.device)  # losses, bytes
-    with torch.no_grad(), autocast(processes.device, args.dtype):
-        for batch in windows[processes.rank::processes.world].split(args.device_batch):
-            batch = batch.to(processes.device)
-            losses = model(batch[:, :-1], batch[:, 1:], reduction="none")
-            sums += torch.stack(bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token.to(processes.device)))
-    model.train()
-    loss_sum, byte_sum = processes.all_sum(sums).tolist()
-    return loss_sum / (math.log(2) * byte_sum)
-
-
 # -----------------------------------------------------------------------------
-# Training one recipe: its setup, its steps, its checkpoints
-
-
+# A recipe's training: the loop; its setup, its step, its checkpoint; evaluation
 def train_recipe(recipe, args, processes, data, run_id):
     """Train one recipe from its first step or its checkpoint: its row of the table (None if --stop-after stops it)."""
-    (documents, validation, bytes_per_token), device, cuda = data, processes.device, processes.device.type == "cuda"
-    model, optimizers, checkpoint = setup_recipe(recipe, args, processes, run_id)
+    (documents, validation, bytes_per_token), device = data, processes.device
+    model, trained, optimizers, micro_batch, checkpoint = setup_recipe(recipe, args, processes, run_id)
     start = checkpoint["step"] if checkpoint else 0
     windows = Windows(documents, args.seq_len, checkpoint and checkpoint["data"])
     history = checkpoint["history"] if checkpoint else dict(tokens_per_s=[], final_bpb=None, peak_memory_gb=None,
                                                             lowest_loss=math.inf)
-    trained = compile_model(model) if args.compile else model
-    if processes.distributed:
-        trained = torch.nn.parallel.DistributedDataParallel(trained, device_ids=[device.index] if cuda else None)
-    if cuda:
-        torch.cuda.reset_peak_memory_stats(device)
-    micro_batches = args.batch_tokens // (args.seq_len * args.device_batch * processes.world)
-    micro_batch = micro_batch_step(model, trained, args, device, micro_batches) if start < args.steps else None
-    seconds = []  # of each step of this invocation
-    for step in range(start, args.steps):
+    seconds, later = [], args.steps * (len(args.recipes) - 1 - args.recipes.index(recipe))  # the recipes after it
+    for step in range(start + 1, args.steps + 1):  # numbered from 1, as the log and metrics.jsonl count them
         tic = time.time()
         batch = windows.next_batch(args.batch_tokens // args.seq_len)[processes.rank::processes.world]
-        loss, multiplier = train_step(model, trained, optimizers, micro_batch, batch, step, args, processes)
-        loss = loss.item()  # read only now, so that the host queued the optimizer while the GPU finished the backward
+        loss, multiplier = train_step(model, trained, optimizers, micro_batch, batch, step - 1, args, processes)
+        loss = loss.item()  # read only now (the host queued the optimizer while the GPU finished the backward): synced
         if not math.isfinite(loss):  # the weights it spoiled are never saved: the last checkpoint stays good
-            raise TrainingError(f"[{recipe}] non-finite loss ({loss}) at step {step + 1}; stopped, checkpoint kept")
-        if cuda:
-            torch.cuda.synchronize(device)
-            history["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9
+            raise TrainingError(f"[{recipe}] non-finite loss ({loss}) at step {step}; stopped, checkpoint kept")
+        history["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
         seconds.append(time.time() - tic)
-        if step - start >= 3:  # compilation and warm-up stay out of the throughput
-            history["tokens_per_s"].append(args.batch_tokens / seconds[-1])
-        history["lowest_loss"] = min(history["lowest_loss"], loss)
-        # The time left at this recipe's median step (not its first, which compiles); the recipes after it at its pace
-        pace, left = sorted(seconds)[len(seconds) // 2] / 60, args.steps - step - 1
-        later = args.steps * (len(args.recipes) - 1 - args.recipes.index(recipe))
-        processes.log(f"[{recipe}] step {step + 1:5d}/{args.steps} | loss {loss:.4f} | {seconds[-1] * 1000:.0f} ms, "
-                      f"{args.batch_tokens / seconds[-1]:,.0f} tok/s | eta {left * pace:.1f} min, run ~"
-                      f"{(left + later) * pace:.1f} min")
-        record = dict(run_id=run_id, recipe=recipe, step=step + 1, loss=loss, lr_multiplier=multiplier,
+        record = dict(run_id=run_id, recipe=recipe, step=step, loss=loss, lr_multiplier=multiplier,
                       tokens_per_s=args.batch_tokens / seconds[-1])
-        if (step + 1) % args.eval_every == 0 or step + 1 == args.steps:
+        history["tokens_per_s"] += [record["tokens_per_s"]] if step - start > 3 else []  # not compiling, warming up
+        history["lowest_loss"] = min(history["lowest_loss"], loss)
+        pace = sorted(seconds)[len(seconds) // 2] / 60  # minutes of the median step (the first compiles)
+        processes.log(f"[{recipe}] step {step:5d}/{args.steps} | loss {loss:.4f} | {seconds[-1] * 1000:.0f} ms, "
+                      f"{record['tokens_per_s']:,.0f} tok/s | eta {(args.steps - step) * pace:.1f} min, run ~"
+                      f"{(args.steps - step + later) * pace:.1f} min")
+        if step % args.eval_every == 0 or step == args.steps:
             record["val_bpb"] = history["final_bpb"] = evaluate(trained, validation, bytes_per_token, processes, args)
-            processes.log(f"[{recipe}] step {step + 1}: validation bpb {record['val_bpb']:.4f}")
-        stopping = args.stop_after and step + 1 - start >= args.stop_after and step + 1 < args.steps
-        if (step + 1) % args.checkpoint_every == 0 or step + 1 == args.steps or stopping:
+            processes.log(f"[{recipe}] step {step}: validation bpb {record['val_bpb']:.4f}")
+        stopping = args.stop_after and step - start >= args.stop_after and step < args.steps
+        if step % args.checkpoint_every == 0 or step == args.steps or stopping:
             record["checkpoint"] = True  # appended once the checkpoint is written: a recipe that had one says so
             save_recipe(recipe, model, optimizers, windows, history, record, args, processes)
         if processes.rank == 0:
             with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
-            if args.new_dir and step == 0 and recipe == args.recipes[0]:
+            if args.new_dir and step == 1 and recipe == args.recipes[0]:
                 make_latest(args.out)  # a run becomes runs/latest once it has trained a step
         if stopping:
             processes.log(f"[{recipe}] stopped after {args.stop_after} steps as asked; continue with --resume")
@@ -412,45 +298,68 @@ def train_recipe(recipe, args, processes, data, run_id):
     if args.steps >= args.warmup_steps + 3 and history["lowest_loss"] >= 0.99 * math.log(GPT2_VOCAB):
         raise TrainingError(f"[{recipe}] the model did not learn (its loss never fell 1% below ln(vocabulary) = "
                             f"{math.log(GPT2_VOCAB):.2f}); lower the learning rates")
-    throughput = history["tokens_per_s"]
+    speeds = history["tokens_per_s"]
     return dict(recipe=recipe, val_bpb=history["final_bpb"], steps=args.steps, tokens=args.steps * args.batch_tokens,
-                peak_memory_gb=history["peak_memory_gb"],
-                tokens_per_s=sum(throughput) / len(throughput) if throughput else None)
+                peak_memory_gb=history["peak_memory_gb"], tokens_per_s=sum(speeds) / len(speeds) if speeds else None)
 
 
 def setup_recipe(recipe, args, processes, run_id):
-    """(model, (AdamW, Muon), checkpoint): the seed's initial weights, the same for every recipe and rank, or the
-    recipe's checkpoint with its optimizers' and random states. A recipe without one starts over, unless
-    metrics.jsonl says it wrote one: starting over would discard its steps."""
-    path, records = checkpoint_path(args.out, recipe), read_metrics(args.out)
-    checkpoint = load_checkpoint(path, run_id, recipe) if os.path.exists(path) else None  # a new run holds none
-    if not checkpoint and (written := [r["step"] for r in records if r["recipe"] == recipe and r.get("checkpoint")]):
-        raise TrainingError(f"[{recipe}] its checkpoint of step {written[-1]} is gone ({path}): restore it, or start "
-                            f"a new run (a tiny run deletes its checkpoints when done, unless --keep-checkpoints)")
+    """(model, model as trained (compiled, DDP), (AdamW, Muon), micro_batch(tokens) -> loss, checkpoint): the seed's
+    weights (the same for every recipe and rank), then the recipe's checkpoint if it has one."""
+    path, records, device = checkpoint_path(args.out, recipe), read_metrics(args.out), processes.device
+    written = any(r["recipe"] == recipe and r.get("checkpoint") for r in records)  # then it must be there
+    checkpoint = load_checkpoint(path, run_id, recipe) if written or os.path.exists(path) else None
     if checkpoint and checkpoint["step"] > args.steps:
         raise TrainingError(f"[{recipe}] --steps {args.steps} is below its checkpoint's step {checkpoint['step']}: a "
                             f"run can be extended, not shortened")
     torch.manual_seed(args.seed)
-    model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(processes.device)
+    model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(device)
     adamw, muon = make_optimizers(model, args.lr_matrix, args.lr_embedding, args.lr_head)
     torch.manual_seed(args.seed + 1 + processes.rank)  # the quantization's randomness differs across ranks
     if checkpoint:
         for part, state in ((model, "model"), (adamw, "adamw"), (muon, "muon")):
             part.load_state_dict(checkpoint[state])
         torch.set_rng_state(checkpoint["rng"][processes.rank]["cpu"])
-        if processes.device.type == "cuda":
-            torch.cuda.set_rng_state(checkpoint["rng"][processes.rank]["cuda"], processes.device)
+        if device.type == "cuda":
+            torch.cuda.set_rng_state(checkpoint["rng"][processes.rank]["cuda"], device)
         processes.log(f"[{recipe}] resumed at step {checkpoint['step']}")
-    if processes.rank == 0:  # its records after the checkpoint go (it writes them again), and partial lines
+    if processes.rank == 0:  # it writes its records after the checkpoint again; partial lines go too
         kept = [r for r in records if r["recipe"] != recipe or checkpoint and r["step"] < checkpoint["step"]]
         kept += [checkpoint["record"]] if checkpoint else []  # a kill may have come between it and its record
         write_atomically(os.path.join(args.out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in kept).encode())
-    return model, (adamw, muon), checkpoint
+    trained = compile_model(model) if args.compile else model
+    if processes.distributed:
+        trained = torch.nn.parallel.DistributedDataParallel(trained, device_ids=None if device.index is None else
+                                                            [device.index])
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    micro_batches = args.batch_tokens // (args.seq_len * args.device_batch * processes.world)
+
+    def micro_batch(tokens):
+        with autocast(device, args.dtype):
+            loss = trained(tokens[:, :-1], tokens[:, 1:])
+        (loss / micro_batches).backward()
+        return loss.detach()
+    if not args.cuda_graph or checkpoint and checkpoint["step"] == args.steps:
+        return model, trained, (adamw, muon), micro_batch, checkpoint
+    # --cuda-graph on a static buffer; the random state put back after the capture draws what an uncaptured run draws
+    static = torch.zeros(args.device_batch, args.seq_len + 1, dtype=torch.long, device=device)
+    random_state = torch.cuda.get_rng_state(device)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    replay, loss = cuda_graph(lambda: micro_batch(static))
+    torch.cuda.set_rng_state(random_state, device)
+    model.zero_grad(set_to_none=False)  # the warm-up's gradients
+
+    def captured(tokens):
+        static.copy_(tokens)
+        replay()
+        return loss  # read before the next replay
+    return model, trained, (adamw, muon), captured, checkpoint
 
 
 def train_step(model, trained, optimizers, micro_batch, batch, step, args, processes):
-    """One optimizer step on this rank's windows: the schedule's learning rate, the micro-batches' gradients added up
-    (DDP all-reduces them at the last), AdamW and Muon. (The mean loss over all ranks, not read yet; the lr factor.)"""
+    """Optimizer step `step` (from 0) on this rank's windows, DDP all-reducing at the last micro-batch: (loss, lr)."""
     adamw, muon = optimizers
     multiplier = lr_multiplier(step, args.steps, args.warmup_steps, args.warmdown)
     for group in adamw.param_groups + muon.param_groups:
@@ -458,8 +367,7 @@ def train_step(model, trained, optimizers, micro_batch, batch, step, args, proce
     muon.param_groups[0]["momentum"] = 0.85 + 0.10 * min(step / 300, 1)  # Muon's momentum warms up
     if processes.device.type == "cuda":  # the step's windows in one copy that does not stop the host
         batch = batch.pin_memory().to(processes.device, non_blocking=True)
-    chunks = batch.split(args.device_batch)
-    loss_sum = torch.zeros((), device=processes.device)
+    chunks, loss_sum = batch.split(args.device_batch), torch.zeros((), device=processes.device)
     for i, chunk in enumerate(chunks):
         with trained.no_sync() if processes.distributed and i < len(chunks) - 1 else contextlib.nullcontext():
             loss_sum += micro_batch(chunk)
@@ -490,78 +398,72 @@ def save_recipe(recipe, model, optimizers, windows, history, record, args, proce
             history=history, record=record))
 
 
+def evaluate(model, windows, bytes_per_token, processes, args):
+    """Validation bits per byte over the fixed validation windows (each rank takes a share)."""
+    model.eval()
+    sums = torch.zeros(2, dtype=torch.float64, device=processes.device)  # losses, bytes
+    with torch.no_grad(), autocast(processes.device, args.dtype):
+        for batch in windows[processes.rank::processes.world].split(args.device_batch):
+            batch = batch.to(processes.device)
+            losses = model(batch[:, :-1], batch[:, 1:], reduction="none")
+            sums += torch.stack(bpb_sums(losses, batch[:, 1:].flatten(), bytes_per_token.to(processes.device)))
+    model.train()
+    loss_sum, byte_sum = processes.all_sum(sums).tolist()
+    return loss_sum / (math.log(2) * byte_sum)
+
+
 # -----------------------------------------------------------------------------
 # The run's directory: where a run lives, and how nothing in it is lost
-
-
-def open_run(args, processes, fingerprint):
-    """(the run's id, its lock). Rank 0 decides for every rank: OUT is a new runs/<date>-<time>-<id>, --out, or with
-    --resume runs/latest; it is locked, and its run.json checked (--resume) or written."""
-    outcome, lock = (None, None), None
-    if processes.rank == 0:
-        out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:6]}") if args.new_dir else \
-            os.path.realpath(args.out or os.path.join(RUNS, "latest"))
-        try:
-            run = read_run(out, "resume") if args.resume else None
-            lock = lock_run(out)
-            outcome = out, check_run(args, out, run, processes.world, fingerprint)
-        except TrainingError as error:
-            outcome = None, str(error)
+def open_run(args, processes, fingerprint, cleanup):
+    """The run's id: rank 0 claims the run's directory (claim_run), and every rank takes its answer, or its error."""
+    try:
+        outcome = claim_run(args, processes.world, fingerprint, cleanup) if processes.rank == 0 else (None, None)
+    except TrainingError as error:
+        outcome = None, str(error)
     args.out, answer = processes.gather(outcome)[0]
     if args.out is None:
-        if lock is not None:
-            os.close(lock)
         raise TrainingError(answer)
-    return answer, lock
+    return answer
 
 
-def lock_run(out):
-    """An flock on OUT/.lock, which keeps a second process out (the OS drops it when the process ends, even by a
-    crash). A directory of files but no run is refused first, untouched; a .lock that is a link is not followed."""
+def claim_run(args, world, fingerprint, cleanup):
+    """(OUT, run id): a new runs/<date>-<time>-<id>, --out, or runs/latest to resume; locked until `cleanup` closes."""
+    out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}") if args.new_dir else \
+        os.path.realpath(args.out or os.path.join(RUNS, "latest"))
+    run = read_run(out, "resume") if args.resume else None
     try:
         names = set(os.listdir(out)) if os.path.isdir(out) else set()
         if "run.json" not in names and names - {".lock", "run.json.tmp"}:  # .tmp: a run killed as it began
             raise TrainingError(f"{out} holds files that are not a run of train.py; use an empty or new --out")
         os.makedirs(out, exist_ok=True)
         lock = os.open(os.path.join(out, ".lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644)
+        cleanup.callback(os.close, lock)
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # the OS drops it when the process ends, even by a crash
+    except BlockingIOError:
+        raise TrainingError(f"{out} is in use by another run; wait for it or use another --out") from None
     except OSError as error:
         raise TrainingError(f"--out {out} is not a writable directory, or its .lock is not a file ({error.strerror})") \
             from None
-    try:
-        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return lock
-    except BlockingIOError:
-        os.close(lock)
-        raise TrainingError(f"{out} is in use by another run; wait for it or use another --out") from None
-
-
-def check_run(args, out, run, world, fingerprint):
-    """The run's id: with --resume its run.json's, whose flags and data must be the ones given; else a new run's,
-    written to OUT/run.json (with --overwrite over the run there, whose files, and only those, are removed)."""
     for folder in (os.path.join(out, recipe) for recipe in args.recipes):  # a file, or a broken link
         if os.path.lexists(folder) and not os.path.isdir(folder):
             raise TrainingError(f"{folder} is not a directory, and checkpoints go there; move it away")
     flags = {name: getattr(args, name) for name in RUN_FLAGS if args.data == "hf" or not name.startswith(
         ("hf_", "val_"))} | dict(world=world)
     if run:
-        changed = [f"--{name.replace('_', '-')} {run['flags'].get(name)!r} -> {value!r}"
-                   for name, value in flags.items() if run["flags"].get(name) != value]
-        if changed:
+        if changed := [f"--{name.replace('_', '-')} {run['flags'].get(name)!r} -> {value!r}"
+                       for name, value in flags.items() if run["flags"].get(name) != value]:
             raise TrainingError(f"--resume cannot change flags that define the run: {', '.join(changed)}")
         if run.get("data_sha256") != fingerprint:
             raise TrainingError("the training data is not the run's (another --data-dir, or changed files)")
-        return run["run_id"]
-    path = os.path.join(out, "run.json")
-    if os.path.exists(path) and not args.overwrite:
-        raise TrainingError(f"{out} holds a run: continue it with --resume, replace it with --overwrite, or use "
-                            f"another --out")
-    if args.overwrite:  # the replaced run's files, and only those
-        for name in ("metrics.jsonl", "summary.json", "loss.png", *(os.path.join(r, "checkpoint.pt") for r in RECIPES)):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(os.path.join(out, name))
-    run = dict(run_id=uuid.uuid4().hex, flags=flags, data_sha256=fingerprint)
-    write_atomically(path, json.dumps(run, indent=1).encode())
-    return run["run_id"]
+        return out, run["run_id"]
+    if os.path.exists(os.path.join(out, "run.json")) and not args.overwrite:
+        raise TrainingError(f"{out} holds a run: continue it with --resume, replace it with --overwrite")
+    for name in ("metrics.jsonl", "summary.json", "loss.png", *(os.path.join(r, "checkpoint.pt") for r in RECIPES)):
+        with contextlib.suppress(FileNotFoundError):  # a replaced run's files, and only those (else there are none)
+            os.remove(os.path.join(out, name))
+    run = dict(run_id=os.urandom(16).hex(), flags=flags, data_sha256=fingerprint)
+    write_atomically(os.path.join(out, "run.json"), json.dumps(run, indent=1).encode())
+    return out, run["run_id"]
 
 
 def read_run(out, purpose):
@@ -574,13 +476,11 @@ def read_run(out, purpose):
         assert isinstance(run.get("run_id"), str) and {"depth", "seq_len", "dtype", "seed"} <= run["flags"].keys()
         return run
     except (ValueError, AttributeError, AssertionError, KeyError):
-        raise TrainingError(f"{path} is not a run.json of train.py; restore it, or start over with --overwrite") \
-            from None
+        raise TrainingError(f"{path} is not a run.json of train.py; restore it, or --overwrite the run") from None
 
 
 def make_latest(out):
-    """runs/latest -> OUT: a link made under this process's own name (runs started together must not collide), then
-    renamed over the old one, atomically. A directory that a user put there is left alone."""
+    """runs/latest -> OUT, atomically, by a link of this process's own renamed over it (a user's directory stays)."""
     latest, temporary = os.path.join(RUNS, "latest"), os.path.join(RUNS, f"latest.{os.getpid()}.tmp")
     if os.path.islink(latest) or not os.path.exists(latest):
         with contextlib.suppress(FileNotFoundError):
@@ -590,9 +490,9 @@ def make_latest(out):
 
 
 def write_atomically(path, *chunks):
-    """The bytes to path.tmp (the run's lock keeps out a second writer), flushed to the disk and renamed over path: a
-    crash or a full disk keeps the previous version; an error removes the temporary file and says why in one line."""
-    temporary, previous = f"{path}.tmp", os.path.exists(path)
+    """The bytes to path.tmp, flushed to the disk and renamed over path: a crash or a full disk keeps the previous
+    version (the run's lock keeps out a second writer); an error removes path.tmp and says why in one line."""
+    temporary, kept = f"{path}.tmp", "; its previous version is kept" if os.path.exists(path) else ""
     try:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(temporary, "wb") as f:
@@ -600,15 +500,14 @@ def write_atomically(path, *chunks):
             f.flush()
             os.fsync(f.fileno())
         os.replace(temporary, path)
-        previous = False  # replaced
-        directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
-        os.fsync(directory)  # the rename itself made durable
-        os.close(directory)
     except OSError as error:
         with contextlib.suppress(OSError):
             os.remove(temporary)
-        kept = "; its previous version is kept" if previous else ""
         raise TrainingError(f"could not write {path} ({error.strerror or error}){kept}") from None
+    directory = os.open(os.path.dirname(path) or ".", os.O_RDONLY)
+    with contextlib.suppress(OSError):  # the rename made durable, where the filesystem can
+        os.fsync(directory)
+    os.close(directory)
 
 
 def checkpoint_path(out, recipe):
@@ -629,15 +528,15 @@ def load_checkpoint(path, run_id=None, recipe=None):
             digest, payload = f.read(64), f.read()
         state = torch.load(io.BytesIO(payload), map_location="cpu", weights_only=True)
         owner = state["run_id"], state["recipe"], state["step"], state["model"]
-    except FileNotFoundError:
-        raise TrainingError(f"checkpoint {path} not found") from None
+    except FileNotFoundError:  # the hint for a run's own checkpoint (bench.py loads any)
+        raise TrainingError(f"checkpoint {path} not found" + (": restore it, or start a new run (a tiny run deletes "
+                            "its checkpoints when done, unless --keep-checkpoints)" if run_id else "")) from None
     except Exception as error:  # empty, truncated or foreign: it fails in many ways
         raise TrainingError(f"checkpoint {path} is unreadable ({type(error).__name__}): not train.py's") from None
-    for bad, problem in ((hashlib.sha256(payload).hexdigest().encode() != digest, "is corrupt (its checksum differs)"),
-                         (run_id not in (None, owner[0]), "belongs to another run"),
-                         (recipe not in (None, owner[1]), f"is the {owner[1]} recipe's, not {recipe}'s")):
-        if bad:
-            raise TrainingError(f"checkpoint {path} {problem}; restore the run's, or start over")
+    if problem := ("is corrupt (its checksum differs)" if hashlib.sha256(payload).hexdigest().encode() != digest else
+                   "belongs to another run" if run_id not in (None, owner[0]) else
+                   f"is the {owner[1]} recipe's, not {recipe}'s" if recipe not in (None, owner[1]) else None):
+        raise TrainingError(f"checkpoint {path} {problem}; restore the run's, or start over")
     return state
 
 
@@ -647,47 +546,37 @@ def read_metrics(out):
     for line in open(path, errors="replace").readlines() if os.path.exists(path) else []:
         with contextlib.suppress(ValueError, AttributeError):
             record = json.loads(line)
-            if isinstance(record.get("recipe"), str) and isinstance(record.get("step"), int) and isinstance(
-                    record.get("loss"), float):
+            if all(isinstance(record.get(key), kind) for key, kind in dict(recipe=str, step=int, loss=float).items()):
                 records.append(record)
     return records
 
 
 # -----------------------------------------------------------------------------
-# The comparison
-
-
-def summarize(rows, processes, args, run_id):
-    """The table and how to read it, every model's samples; OUT/summary.json and OUT/loss.png; unless kept, the
-    checkpoints deleted."""
-    baseline = next((r["val_bpb"] for r in rows if r["recipe"] == "bf16"), None)
-    processes.log(f"\n{'recipe':<14}{'val bpb':>10}{'gap to bf16':>13}{'tokens/s':>12}{'peak memory':>13}")
+# The comparison, and the samples: every model continues the same prompts
+def summarize(rows, args, run_id, processes):
+    """Rank 0's end of a run: the table, the samples, OUT/summary.json and loss.png; the checkpoints unless kept."""
+    baseline, device = next((r["val_bpb"] for r in rows if r["recipe"] == "bf16"), None), processes.device
+    print(f"\n{'recipe':<14}{'val bpb':>10}{'gap to bf16':>13}{'tokens/s':>12}{'peak memory':>13}")
     for r in rows:
         r["gap_pct"] = 100 * (r["val_bpb"] / baseline - 1) if baseline and r["val_bpb"] else None
         gap = f"{r['gap_pct']:+.2f}%" if r["gap_pct"] is not None else "-"
         memory = f"{r['peak_memory_gb']:.1f} GB" if r["peak_memory_gb"] is not None else "-"
         speed = f"{r['tokens_per_s']:,.0f}" if r["tokens_per_s"] else "-"  # measured after 3 steps
-        processes.log(f"{r['recipe']:<14}{r['val_bpb']:>10.4f}{gap:>13}{speed:>12}{memory:>13}")
-    device, emulated = processes.device, not native_fp4_available(processes.device)
-    processes.log("One seed per recipe: at small sizes, gaps of a few tenths of a percent are noise (bench.py study "
-                  "measures it).\n" + ("On a CPU the quantized recipes run PyTorch's reference code: their tokens/s "
-                  "say nothing of NVFP4 on a GPU." if device.type == "cpu" else "This GPU has no FP4 tensor cores: "
-                  "the quantized recipes pay for quantizing without faster (BF16) GEMMs." if emulated else "The "
-                  "NVFP4 GEMMs ran on FP4 tensor cores."))
-    if processes.rank != 0:
-        return
-    samples = recipe_samples(args, processes, run_id, args.recipes, PROMPTS)
+        print(f"{r['recipe']:<14}{r['val_bpb']:>10.4f}{gap:>13}{speed:>12}{memory:>13}")
+    emulated = not native_fp4_available(device)
+    print("One seed per recipe: at small sizes, gaps of a few tenths of a percent are noise (bench.py study measures "
+          "it).\nTokens/s: " + ("of PyTorch's reference code, on a CPU." if device.type == "cpu" else "quantizing, "
+          "without faster GEMMs (no FP4 tensor cores)." if emulated else "with NVFP4 GEMMs on FP4 tensor cores."))
     print(f"\nEvery model continues the same prompts with the same draws (temperature {TEMPERATURE}, top {TOP_K}):")
-    print_samples(samples, PROMPTS)
+    samples = recipe_samples(args, device, run_id, args.recipes, PROMPTS)
     summary = dict(run_id=run_id, rows=rows, prompts=PROMPTS, samples=samples, date=time.strftime("%Y-%m-%d"),
                    args=vars(args), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    world_size=processes.world, torch=torch.__version__, emulated_nvfp4=emulated)
     write_atomically(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1, default=str).encode())
     plot(args.out, f"train.py run {run_id[:8]}, {summary['device']}, {summary['date']}")
-    if not args.keep_checkpoints:
-        for recipe in args.recipes:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(checkpoint_path(args.out, recipe))
+    for recipe in () if args.keep_checkpoints else args.recipes:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(checkpoint_path(args.out, recipe))
     size = sum(os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(args.out) for name in names)
     print(f"\n{args.out}: {size / 1e6:,.1f} MB, " + ("its checkpoints kept for --resume and --sample (delete it when "
           "done)" if args.keep_checkpoints else "its checkpoints deleted (--keep-checkpoints keeps them)"))
@@ -713,9 +602,8 @@ def plot(out, provenance):
         mine = [r for r in records if r["recipe"] == recipe]
         axes[0].plot([r["step"] for r in mine], [r["loss"] for r in mine], label=recipe, linewidth=0.8)
         axes[1].plot(*zip(*[(r["step"], r["val_bpb"]) for r in mine if "val_bpb" in r]), marker="o", label=recipe)
-    axes[0].set(xlabel="step", ylabel="training loss (nats/token)", yscale="log")
-    axes[1].set(xlabel="step", ylabel="validation bits per byte")
-    for side in axes:
+    for side, label, scale in zip(axes, ("training loss (nats/token)", "validation bits per byte"), ("log", "linear")):
+        side.set(xlabel="step", ylabel=label, yscale=scale)
         side.legend()
         side.grid(alpha=0.3)
     figure.tight_layout()
@@ -724,66 +612,45 @@ def plot(out, provenance):
     write_atomically(os.path.join(out, "loss.png"), image.getvalue())
 
 
-# -----------------------------------------------------------------------------
-# Samples: every model continues the same prompts
-
-
-def recipe_samples(args, processes, run_id, recipes, prompts):
-    """{recipe: its model's continuation of each prompt}, each model from its checkpoint, all with the same draws from
-    a generator of their own (training's random state stays as it was). A prompt follows an end-of-text token, as a
-    document's start does in training."""
+def recipe_samples(args, device, run_id, recipes, prompts):
+    """{recipe: its model's continuations of the prompts}, printed: each from its checkpoint, with the same draws."""
     tokenizer, samples = gpt2_tokenizer(), {}
     for recipe in recipes:
         with torch.random.fork_rng(devices=[]):  # initial weights, which the checkpoint's replace
-            model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(processes.device)
+            model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(device)
         model.load_state_dict(load_checkpoint(checkpoint_path(args.out, recipe), run_id, recipe)["model"])
         samples[recipe] = []
         for prompt in prompts:
-            tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=processes.device)
-            generator = torch.Generator(processes.device).manual_seed(args.seed)
-            with autocast(processes.device, args.dtype):
+            tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=device)  # as a document starts
+            generator = torch.Generator(device).manual_seed(args.seed)  # training's draws stay as they were
+            with autocast(device, args.dtype):
                 written = model.generate(tokens, args.sample_tokens, TEMPERATURE, TOP_K, generator)[0, tokens.shape[1]:]
             samples[recipe].append(tokenizer.decode(written.tolist()).split("<|endoftext|>")[0])  # a document's end
-    return samples
-
-
-def print_samples(samples, prompts):
     for i, prompt in enumerate(prompts):
         print(f"\n{prompt} ...")
         for recipe, texts in samples.items():
             print(textwrap.fill(" ".join(texts[i].split()) or "(ended at once)", 120, initial_indent=f"  {recipe:<14}",
                                 subsequent_indent=" " * 16))
+    return samples
 
 
-def sample_run(args, processes):
-    """--sample: the models of the run in --out (or runs/latest), every recipe that has trained, continue the prompt
-    with the run's seed (on a GPU in BF16, which the NVFP4 kernels take)."""
+def sample_run(args, device):
+    """--sample: the run's models (--out, or runs/latest) continue the prompt with its seed (on a GPU in BF16)."""
     args.out = os.path.realpath(args.out or os.path.join(RUNS, "latest"))
     run, recipes = read_run(args.out, "sample"), list(dict.fromkeys(r["recipe"] for r in read_metrics(args.out)))
-    if missing := [checkpoint_path(args.out, r) for r in recipes if not os.path.exists(checkpoint_path(args.out, r))]:
-        raise TrainingError(f"{missing[0]} not found: samples come from a run's checkpoints (a tiny run deletes its "
-                            f"own when done, unless --keep-checkpoints)")
     if not recipes:
         raise TrainingError(f"nothing to sample: no model of {args.out} has trained a step")
-    if args.sample_tokens < 0:
-        raise TrainingError(f"--sample-tokens must be at least 0, got {args.sample_tokens}")
     args.depth, args.seq_len, args.seed = (run["flags"][name] for name in ("depth", "seq_len", "seed"))
-    args.dtype = "bfloat16" if processes.device.type == "cuda" else run["flags"]["dtype"]
-    print_samples(recipe_samples(args, processes, run["run_id"], recipes, [args.sample]), [args.sample])
+    args.dtype = "bfloat16" if device.type == "cuda" else run["flags"]["dtype"]
+    recipe_samples(args, device, run["run_id"], recipes, [args.sample])
 
 
 # -----------------------------------------------------------------------------
 # Flags, and the run
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # a one-line error pointing at --help, not argparse's usage block
-        sys.exit(f"train.py: error: {message} (see python train.py --help)")
-
-
 def parse_args(argv=None):
-    parser = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add = parser.add_argument
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.error = lambda message: sys.exit(f"train.py: error: {message} (see python train.py --help)")  # one line
+    add, boolean = parser.add_argument, argparse.BooleanOptionalAction
     add("--recipe", default="bf16,quartet2", help=f"comma-separated recipes to train, from {','.join(RECIPES)}")
     add("--preset", choices=list(PRESETS), help="defaults for a model size (default: d12 on a GPU)")
     add("--depth", type=int, help="transformer depth; width = 64 * depth")
@@ -805,20 +672,17 @@ def parse_args(argv=None):
     add("--hf-files", nargs="*", help="with --data hf: local data files for the dataset (e.g. with 'json')")
     add("--val-docs", type=int, default=500, help="with --data hf: the first N documents are the validation split")
     add("--dtype", choices=["bfloat16", "float32"], help="autocast dtype (default bfloat16 on GPU, float32 on CPU)")
-    add("--compile", action=argparse.BooleanOptionalAction, help="torch.compile the model (default: on a GPU)")
-    add("--cuda-graph", action=argparse.BooleanOptionalAction, help="capture each micro-batch in a CUDA graph "
-                                                                    "(default: on one GPU with --compile)")
+    add("--compile", action=boolean, help="torch.compile the model (default: on a GPU)")
+    add("--cuda-graph", action=boolean, help="capture each micro-batch in a CUDA graph (default: one GPU, compiled)")
     add("--device", default="auto", help="cuda, cuda:N or cpu (default: the GPU if there is one)")
     add("--seed", type=int, default=0, help="seed of the weights, the data order and the quantization randomness")
-    add("--deterministic", action="store_true", help="repeat a GPU run bit for bit (5-7%% fewer tokens/s at d12): "
-                                                     "else the compiled embedding backward adds in a varying order")
+    add("--deterministic", action="store_true", help="repeat a GPU run bit for bit (5-7%% fewer tokens/s at d12)")
     add("--out", help="the run's directory (default: a new runs/<date>-<time>-<id>; with --resume, runs/latest)")
     add("--checkpoint-every", type=int, default=100, help="steps between checkpoints")
     add("--resume", action="store_true", help="continue the run in --out (default: the newest) from its checkpoints")
     add("--overwrite", action="store_true", help="replace the run in --out with a new one")
     add("--stop-after", type=int, default=0, help="stop after this many steps, checkpointed (then --resume)")
-    add("--keep-checkpoints", action=argparse.BooleanOptionalAction,
-        help="keep a finished run's checkpoints, for --resume and --sample (default: yes, but for the tiny preset)")
+    add("--keep-checkpoints", action=boolean, help="keep them at the end, for --resume and --sample (not: preset tiny)")
     add("--sample", metavar="PROMPT", help="no training: the models of the run in --out (or runs/latest) continue it")
     add("--sample-tokens", type=int, default=48, help="tokens a sample writes (at a run's end, and with --sample)")
     return parser.parse_args(argv)
@@ -826,68 +690,52 @@ def parse_args(argv=None):
 
 def resolve(args, processes):
     """Fill in the preset's defaults and check every flag before any work: a one-line error for one that cannot be."""
-    cuda = processes.device.type == "cuda"
+    cuda, world = processes.device.type == "cuda", processes.world
     if args.preset is None and not cuda:
         raise TrainingError("no GPU found: the default run (preset d12) needs one; --preset tiny runs on a CPU")
     args.preset = args.preset or "d12"
-    for key, value in PRESETS[args.preset].items():
+    for key, value in (PRESETS[args.preset] | dict(dtype="bfloat16" if cuda else "float32", compile=cuda)).items():
         setattr(args, key, value if getattr(args, key) is None else getattr(args, key))
-    args.dtype = args.dtype or ("bfloat16" if cuda else "float32")
-    args.compile = cuda if args.compile is None else args.compile
     if args.cuda_graph is None:
         args.cuda_graph = cuda and args.compile and not processes.distributed
-    args.new_dir = args.out is None and not args.resume  # a new runs/<date>-<time>-<id>
-    smallest = dict(depth=1, seq_len=1, device_batch=1, batch_tokens=1, steps=1, eval_every=1, eval_tokens=1,
-                    checkpoint_every=1, warmup_steps=0, stop_after=0, val_docs=0, sample_tokens=0)
-    problems = [f"--{name.replace('_', '-')} must be at least {least}, got {getattr(args, name)}"
-                for name, least in smallest.items() if getattr(args, name) < least]
-    problems += [f"--{name.replace('_', '-')} must be a positive number, got {getattr(args, name)}"  # NaN too
-                 for name in ("lr_matrix", "lr_embedding", "lr_head") if not 0 < getattr(args, name) < FLOAT32_MAX]
-    per_step = args.seq_len * args.device_batch * processes.world
-    try:
-        args.recipes = recipe_names(args.recipe)
-        problems += [message for bad, message in (
-            (not 0 <= args.seed < 2**31, f"--seed must be in [0, 2^31), got {args.seed}"),
-            (not 0 <= args.warmdown <= 1, f"--warmdown must be a fraction in [0, 1], got {args.warmdown}"),
-            (per_step > 0 and args.batch_tokens % per_step, f"--batch-tokens {args.batch_tokens} must be a multiple of "
-             f"seq_len x device_batch x GPUs = {args.seq_len} x {args.device_batch} x {processes.world} = {per_step}"),
-            (args.cuda_graph and (not cuda or processes.distributed),
-             "--cuda-graph runs on one GPU (on several, DDP's gradient all-reduce is not captured)"),
-            (cuda and args.dtype == "float32" and args.recipes != ["bf16"],
-             "the NVFP4 kernels take bfloat16 on a GPU: use --dtype bfloat16"),
-            (args.out is not None and not args.out.strip(), "--out is empty: name a directory, or leave it out"),
-            (args.overwrite and (args.resume or args.out is None), "--overwrite replaces the run in a given --out (and "
-             "does not go with --resume)"),
-            (args.data == "hf" and args.hf_dataset == "json" and not args.hf_files,
-             "--hf-dataset json reads the files given with --hf-files")) if bad]
-        if problems:
-            raise TrainingError(problems[0])
-        with torch.device("meta"):  # the model's own rules (depth, layer and token counts), on a weightless model
-            for recipe in args.recipes:
-                GPT(args.depth, recipe, max_seq_len=args.seq_len)
-                check_tokens(recipe, args.seq_len * args.device_batch)
-    except ValueError as error:
-        raise TrainingError(str(error)) from None
+    args.new_dir, args.recipes = args.out is None and not args.resume, recipe_names(args.recipe)  # ValueError: main's
+    value, flag, per_step = vars(args), lambda name: "--" + name.replace("_", "-"), args.seq_len * args.device_batch
+    least = dict(depth=1, seq_len=1, device_batch=1, batch_tokens=1, steps=1, eval_every=1, eval_tokens=1,
+                 checkpoint_every=1, warmup_steps=0, stop_after=0, val_docs=0, sample_tokens=0)
+    checks = [(value[k] < low, f"{flag(k)} must be at least {low}, got {value[k]}") for k, low in least.items()]
+    checks += [(not 0 < value[k] < torch.finfo(torch.float32).max, f"{flag(k)} must be a positive number, got "
+                f"{value[k]}") for k in ("lr_matrix", "lr_embedding", "lr_head")]  # NaN too
+    checks += [
+        (not 0 <= args.seed < 2**31, f"--seed must be in [0, 2^31), got {args.seed}"),
+        (not 0 <= args.warmdown <= 1, f"--warmdown must be a fraction in [0, 1], got {args.warmdown}"),
+        (per_step > 0 and args.batch_tokens % (per_step * world), f"--batch-tokens {args.batch_tokens} must be a "
+         f"multiple of seq_len x device_batch x GPUs = {args.seq_len} x {args.device_batch} x {world}"),
+        (args.cuda_graph and (not cuda or processes.distributed), "--cuda-graph runs on one GPU (DDP is not captured)"),
+        (cuda and args.dtype == "float32" and args.recipes != ["bf16"],
+         "the NVFP4 kernels take bfloat16 on a GPU: use --dtype bfloat16"),
+        (args.out is not None and not args.out.strip(), "--out is empty: name a directory, or leave it out"),
+        (args.overwrite and (args.resume or args.out is None),
+         "--overwrite replaces the run in a given --out (and does not go with --resume)"),
+        (args.data == "hf" and args.hf_dataset == "json" and not args.hf_files, "--hf-dataset json reads --hf-files")]
+    if problems := [message for bad, message in checks if bad]:
+        raise TrainingError(problems[0])
+    with torch.device("meta"):  # the model's own rules (depth, layer and token counts), on a weightless model
+        for recipe in args.recipes:
+            GPT(args.depth, recipe, max_seq_len=args.seq_len)
+            check_tokens(recipe, args.seq_len * args.device_batch)
     return args
 
 
-@contextlib.contextmanager
-def deterministic(enabled):
-    """With enabled, PyTorch's deterministic algorithms inside the block (with the fixed cuBLAS workspace they need;
-    torch.empty left unfilled: filling every new tensor would cost a write per byte); after it, as before."""
-    before = torch.are_deterministic_algorithms_enabled(), torch.utils.deterministic.fill_uninitialized_memory
-    workspace = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
-    if enabled:
-        os.environ["CUBLAS_WORKSPACE_CONFIG"] = workspace or ":4096:8"  # read when cuBLAS starts: before any GEMM
-        torch.use_deterministic_algorithms(True)
-        torch.utils.deterministic.fill_uninitialized_memory = False
-    try:
-        yield
-    finally:
-        torch.use_deterministic_algorithms(before[0])
-        torch.utils.deterministic.fill_uninitialized_memory = before[1]
-        if workspace is None:
-            os.environ.pop("CUBLAS_WORKSPACE_CONFIG", None)
+def deterministic(cleanup):
+    """Deterministic algorithms (the compiled embedding backward adds in a varying order) until `cleanup`."""
+    if "CUBLAS_WORKSPACE_CONFIG" not in os.environ:  # the workspace they need, read when cuBLAS starts
+        os.environ["CUBLAS_WORKSPACE_CONFIG"] = ":4096:8"
+        cleanup.callback(os.environ.pop, "CUBLAS_WORKSPACE_CONFIG", None)
+    cleanup.callback(torch.use_deterministic_algorithms, torch.are_deterministic_algorithms_enabled())
+    cleanup.callback(setattr, torch.utils.deterministic, "fill_uninitialized_memory",
+                     torch.utils.deterministic.fill_uninitialized_memory)
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False  # else torch.empty writes every byte
 
 
 def out_of_memory(error):
@@ -904,19 +752,20 @@ def amount(count):
 
 
 def main(argv=None):
-    args, lock = parse_args(argv), None
+    args = parse_args(argv)
     try:
-        with deterministic(args.deterministic):
+        with contextlib.ExitStack() as cleanup:  # what the run holds or changed: its lock, --deterministic's settings
+            if args.deterministic:
+                deterministic(cleanup)
             processes = Processes(args.device)
             if args.sample is not None:
-                return sample_run(args, processes)
-            args = resolve(args, processes)
-            tokenizer = gpt2_tokenizer()
-            bytes_per_token = token_bytes(tokenizer)
+                return sample_run(args, processes.device)
+            args, tokenizer = resolve(args, processes), gpt2_tokenizer()
             documents, validation, fingerprint = data_sources(args, tokenizer)
+            bytes_per_token = token_bytes(tokenizer)
             validation = validation_windows(validation, args.seq_len, args.eval_tokens // args.seq_len,
                                             args.device_batch * processes.world, bytes_per_token)
-            run_id, lock = open_run(args, processes, fingerprint)
+            run_id = open_run(args, processes, fingerprint, cleanup)
             passes = args.steps * args.batch_tokens / sum(map(len, documents(0, 0))) if args.data == "local" else 0
             processes.log(f"run {run_id[:8]} in {args.out}, on {processes.device} x {processes.world}\npreset "
                           f"{args.preset}: depth {args.depth}, recipes {', '.join(args.recipes)}, {len(validation)} "
@@ -928,8 +777,9 @@ def main(argv=None):
                 rows.append(train_recipe(recipe, args, processes, (documents, validation, bytes_per_token), run_id))
                 if rows[-1] is None:  # --stop-after
                     return
-            summarize(rows, processes, args, run_id)
-    except (TrainingError, OSError) as error:  # OSError: an unreadable or unwritable file
+            if processes.rank == 0:
+                summarize(rows, args, run_id, processes)
+    except (TrainingError, ValueError, OSError) as error:  # ValueError: the model's rules; OSError: a file's
         sys.exit(f"train.py: error: {error}")
     except KeyboardInterrupt:
         sys.exit("train.py: interrupted; --resume continues from the last checkpoint")
@@ -939,8 +789,6 @@ def main(argv=None):
         sys.exit(f"train.py: error: out of memory ({reason}); halve --device-batch (gradient accumulation keeps the "
                  f"step's tokens), or use a smaller model")
     finally:
-        if lock is not None:
-            os.close(lock)
         if dist.is_initialized():
             dist.destroy_process_group()
 
