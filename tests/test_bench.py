@@ -46,6 +46,18 @@ def test_study_trains_every_seed_and_keeps_its_record(small_data, tmp_path):
     assert not (tmp_path / "study" / "seed1").exists()
 
 
+def test_a_failed_seed_keeps_the_seeds_that_finished(small_data, tmp_path):
+    flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "2",
+             "--eval-tokens", "512", "--data-dir", small_data]
+    (tmp_path / "study").mkdir()
+    (tmp_path / "study" / "seed1").write_text("not a run directory")  # seed 1's train.py refuses it
+    argv = ["study", "--preset", "tiny", "--recipes", "bf16", "--seeds", "1", "0", "--out", str(tmp_path / "study"),
+            "--json", str(tmp_path / "study.json"), "--", *flags]
+    with pytest.raises(SystemExit, match="seed 1 failed: .*run again to train the rest"):
+        bench.main(argv)
+    assert json.load(open(tmp_path / "study.json"))["rows"][0]["seeds"] == [0]
+
+
 def test_study_refuses_a_seed_trained_with_other_flags(small_data, tmp_path):
     flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "2",
              "--eval-tokens", "512", "--data-dir", small_data]
