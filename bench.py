@@ -194,13 +194,22 @@ def bench_study(args):
     def train_seed(seed):  # -> its summary.json
         out = os.path.join(args.out, f"seed{seed}")
         flags = ["--preset", args.preset, "--recipe", ",".join(args.recipes), "--seed", str(seed), "--out", out]
-        flags += ["--resume"] if os.path.exists(os.path.join(out, "run.json")) else []
+        stamp = f"{out}.numerics"  # a seed's run resumes only on the numerics it began with, else starts over
+        if os.path.exists(os.path.join(out, "run.json")):
+            flags += ["--resume"] if os.path.exists(stamp) and open(stamp).read() == fingerprint() else ["--overwrite"]
+        with open(stamp, "w") as f:
+            f.write(fingerprint())
         print(f"seed {seed}: training, log in {out}.log", flush=True)
         with open(f"{out}.log", "w") as log:
-            if subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *flags, *args.train_flags],
-                              stdout=log, stderr=subprocess.STDOUT).returncode:
-                raise ValueError(f"seed {seed} failed: {open(log.name).read().strip().splitlines()[-1]} ({log.name})")
-        return json.load(open(os.path.join(out, "summary.json")))
+            code = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *flags, *args.train_flags],
+                                  stdout=log, stderr=subprocess.STDOUT).returncode
+        last = (open(log.name).read().strip().splitlines() or ["no output"])[-1]
+        if code:
+            raise ValueError(f"seed {seed} failed: {f'killed by signal {-code}' if code < 0 else last} ({log.name})")
+        try:
+            return json.load(open(os.path.join(out, "summary.json")))
+        except (OSError, ValueError):
+            raise ValueError(f"seed {seed} wrote no summary.json: {last} ({log.name})") from None
 
     failed = []
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
@@ -226,18 +235,22 @@ def bench_study(args):
 
 
 def finished_seeds(args):
-    """{seed: {recipe: its train.py summary row}} of the seeds asked for that the study's record holds, if it was
-    measured on these numerics with these flags and recipes; else {}."""
+    """{seed: {recipe: its train.py summary row}} of every seed that the study's record holds, if it was measured on
+    these numerics with these flags; else {}. A record that holds recipes not asked for is refused (rewriting it
+    would drop them)."""
     try:
         old = json.load(open(args.json or os.path.join(args.out, "study.json")))
-        old_args = parse_args(shlex.split(old["command"])[2:])
+        old_args = parse_args(shlex.split(old["command"])[2:], check_paths=False)
         by_recipe = {row["recipe"]: row["runs"] for row in old["rows"]}
         assert old["fingerprint"] == fingerprint() and (old_args.preset, old_args.train_flags) == (
             args.preset, args.train_flags) and set(args.recipes) <= set(by_recipe)
     except (OSError, ValueError, KeyError, TypeError, AssertionError, SystemExit):
         return {}
-    return {seed: {r: dict(recipe=r, **by_recipe[r][str(seed)]) for r in args.recipes}
-            for seed in args.seeds if all(str(seed) in by_recipe[r] for r in args.recipes)}
+    if extra := set(by_recipe) - set(args.recipes):
+        raise ValueError(f"the study's record holds {', '.join(sorted(extra))} too: ask for every recipe it holds, "
+                         f"or give another --json")
+    seeds = set.intersection(*(set(runs) for runs in by_recipe.values()))
+    return {int(seed): {r: dict(recipe=r, **by_recipe[r][seed]) for r in args.recipes} for seed in seeds}
 
 
 def t_quantile_975(df):
@@ -483,7 +496,11 @@ def bench_kernels(args):
 def provenance():
     """Where a measurement comes from: date, commit ("+ uncommitted changes" if the code differs from it; "no git
     checkout" if this directory is not the root of one), device and versions."""
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+    def git(*words):  # "" without git
+        try:
+            return subprocess.run(["git", *words], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+        except OSError:
+            return ""
     if os.path.realpath(git("rev-parse", "--show-toplevel") or "/") != os.path.realpath(ROOT):
         commit = "no git checkout"
     else:  # results/, dev/ and the README are not code: rewriting a result does not make the next one dirty
@@ -522,7 +539,8 @@ def fingerprint():
     every machine and torch version agrees: (1) every recipe's GEMM operands (codes, E4M3 scales, tensor scales to 3
     digits) in a linear layer's forward and backward on grid inputs; (2) the kernels' random draws for a fixed seed
     (stochastic rounding with rotations and four-over-six, MS-EDEN phase two); (3) a small GPT's losses and gradient
-    norms over two training steps, to 3 digits; (4) the presets, default flags, schedule, data order and data files.
+    norms over two training steps and train.py's bits per byte of it, to 3 digits; (4) the presets, default flags,
+    schedule, data order and data files.
     A comment or a faster bit-identical kernel keeps it; any change of numerics changes it. On a GPU machine it is
     computed by a CPU-only process: a GPU's kernels may order a sum differently from the interpreter (four-over-six's
     choice between near-equal errors), so only the interpreter's draws are the same on every machine."""
@@ -576,6 +594,8 @@ def fingerprint():
         for optimizer in optimizers:
             optimizer.step()
         gpt.zero_grad()
+    flags.dtype, flags.device_batch = "float32", 1  # train.py's evaluation: its bits per byte, to 3 digits
+    add(f"{train.evaluate(gpt, tokens, train.token_bytes(train.gpt2_tokenizer()), train.Processes('cpu'), flags):.3g}")
     order = train.shuffled_epochs(list(range(100)), 0)
     add(train.PRESETS, {k: v for k, v in vars(flags).items() if k in train.RUN_FLAGS}, list(order(1, 0)),
         [train.lr_multiplier(step, 100, 10, 0.2) for step in range(100)])
@@ -615,7 +635,10 @@ def stale_results(directory=os.path.join(ROOT, "results")):
         try:
             data = json.loads(png_description(path) or "null") if name.endswith(".png") else json.load(open(path))
             keys = RESULT_KEYS[:3] if name.endswith(".png") else RESULT_KEYS
-            if not isinstance(data, dict) or list(data) != keys or list(data["provenance"]) != PROVENANCE_KEYS:
+            rows = data.get("rows", [{}]) if isinstance(data, dict) else None  # a PNG's rows are its picture
+            if not isinstance(data, dict) or list(data) != keys or list(data["provenance"]) != PROVENANCE_KEYS or \
+                    not isinstance(data["fingerprint"], str) or not (isinstance(rows, list) and rows and all(
+                        isinstance(row, dict) for row in rows)):
                 stale.append(f"{name}: not a results file of the one shape ({', '.join(RESULT_KEYS)})")
                 continue
         except (ValueError, TypeError, OSError):  # OSError: not an image PIL can read
@@ -649,8 +672,9 @@ def recipe_list(text):
         raise argparse.ArgumentTypeError(str(error)) from None
 
 
-def parse_args(argv=None):
-    """The command and its flags, each checked before any work: one line per bad one."""
+def parse_args(argv=None, check_paths=True):
+    """The command and its flags, each checked before any work: one line per bad one (the output paths too, unless
+    check_paths is False)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     commands = parser.add_subparsers(dest="command", required=True)
     command = {name: commands.add_parser(name, help=text) for name, text in (
@@ -711,8 +735,9 @@ def parse_args(argv=None):
         if bad:
             parser.error(message)
     for path, ending in ((getattr(args, "json", None), ".json"), (getattr(args, "png", None), ".png")):
-        if path and (os.path.isdir(path) or not path.endswith(ending) or not os.access(  # before hours of work
-                os.path.dirname(os.path.abspath(path)), os.W_OK)):
+        folder = os.path.dirname(os.path.abspath(path or "."))
+        if check_paths and path and (os.path.isdir(path) or not path.endswith(ending) or not os.path.isdir(folder)
+                                     or not os.access(folder, os.W_OK)):  # before hours of work
             parser.error(f"cannot write {path}: a {ending} path in a writable directory is needed")
     return args
 
@@ -723,6 +748,8 @@ def main(argv=None):
                kernels=bench_kernels, fingerprint=check_results)[args.command]
     try:
         rows = run(args)
+        if args.command == "fingerprint" and rows:
+            sys.exit(1)  # stale results: a script can tell
         if getattr(args, "json", None):
             write_results(args.json, args.command_line, rows)
     except (ValueError, OSError, train.TrainingError) as error:  # bad flags or files: one line, no traceback
