@@ -145,17 +145,38 @@ def tables_with_their_files(path):
 
 def test_every_number_in_a_results_table_is_in_its_file():
     # A table re-typed by hand, or left behind when its file is measured again, fails here: each number in its cells
-    # (past the first column, which names the row) must be a value of the file's rows at the precision shown, or
-    # that value in percent.
+    # must be a value, at the precision and with the sign shown (or that value in percent), of the file's rows that
+    # the line's first cell names (a recipe, say), or of any row if it names none.
     checked = 0
     for document in ("README.md", "dev/PERFORMANCE.md"):
         for source, table in tables_with_their_files(os.path.join(bench.ROOT, document)):
-            values = numbers_in(json.load(open(os.path.join(bench.ROOT, source)))["rows"])
+            rows = json.load(open(os.path.join(bench.ROOT, source)))["rows"]
             for line in table[2:]:  # the header and its rule name the columns
-                for cell in line.strip("|").split("|")[1:]:
-                    for number in re.findall(r"\d[\d,]*(?:\.\d+)?", cell):
-                        digits, shown = len(number.partition(".")[2]), number.replace(",", "")
-                        assert any(f"{abs(v) * scale:.{digits}f}" == shown for v in values for scale in (1, 100)), \
-                            f"{document}: {number} in '{line}' is not in {source}"
-                        checked += 1
+                first, *cells = (cell.strip() for cell in line.strip().strip("|").split("|"))
+                named = [row for row in rows if first.replace("**", "").strip("`") in row.values()]
+                values = numbers_in(named or rows)
+                for number in re.findall(r"[+-]?\d[\d,]*(?:\.\d+)?", " | ".join(cells)):
+                    digits, shown = len(number.partition(".")[2]), number.replace(",", "")
+                    form = (lambda v: f"{v:+.{digits}f}") if shown[0] in "+-" else (lambda v: f"{abs(v):.{digits}f}")
+                    assert any(form(v * scale) == shown for v in values for scale in (1, 100)), \
+                        f"{document}: {number} in '{line}' is not in {source}"
+                    checked += 1
     assert checked > 0
+
+
+def results_rows(name):
+    return json.load(open(os.path.join(bench.ROOT, "results", name)))["rows"]
+
+
+def test_the_readme_quantizer_and_gradient_tables_are_their_files():
+    # Exactly, cell by cell: the lenient check above cannot tell which row or column a number came from.
+    quant = {row["quantizer"]: row for row in results_rows("quant.json")}
+    cells = [f"{q['error_e3']:.2f} ({q['concentration']:.{0 if q['concentration'] > 10 else 2}f})"
+             for q in quant.values()]
+    expected = ["| ours | " + " | ".join(cells[:-1]) + f" | **{cells[-1]}** |"]
+    grad = {(row["recipe"], row["gradient"]): row for row in results_rows("grad.json") if row["layer"] == "c_q"}
+    for recipe in dict.fromkeys(recipe for recipe, _ in grad):
+        cells = [f"{100 * grad[recipe, g]['errors'][0]:.2f} | {grad[recipe, g]['growth']:.2f}" for g in ("dX", "dW")]
+        expected.append(f"| {recipe} | {' | '.join(cells)} |")
+    readme = open(os.path.join(bench.ROOT, "README.md")).read().splitlines()
+    assert [line for line in expected if line not in readme] == []
