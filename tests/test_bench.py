@@ -58,6 +58,23 @@ def test_a_failed_seed_keeps_the_seeds_that_finished(small_data, tmp_path):
     assert json.load(open(tmp_path / "study.json"))["rows"][0]["seeds"] == [0]
 
 
+def test_a_seed_begun_on_other_numerics_starts_over_and_a_record_keeps_its_recipes(small_data, tmp_path):
+    flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "2",
+             "--eval-tokens", "512", "--data-dir", small_data, "--keep-checkpoints"]
+    study = ["study", "--preset", "tiny", "--recipes", "bf16,fwd_1x16", "--seeds", "0", "--out",
+             str(tmp_path / "study"), "--json", str(tmp_path / "study.json"), "--", *flags]
+    bench.main(study)
+    (tmp_path / "study.json").unlink()  # the record gone: the seed's finished run is there to resume
+    bench.main(study)
+    assert "resumed at step 2" in (tmp_path / "study" / "seed0.log").read_text()
+    (tmp_path / "study.json").unlink()
+    (tmp_path / "study" / "seed0.numerics").write_text("numerics 0123")  # begun on other numerics: trained again
+    bench.main(study)
+    assert "resumed" not in (tmp_path / "study" / "seed0.log").read_text()
+    with pytest.raises(SystemExit, match="holds fwd_1x16 too"):  # rewriting the record would drop its seeds
+        bench.main(study[:4] + ["bf16"] + study[5:])
+
+
 def test_study_refuses_a_seed_trained_with_other_flags(small_data, tmp_path):
     flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "2",
              "--eval-tokens", "512", "--data-dir", small_data]
