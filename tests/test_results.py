@@ -46,15 +46,16 @@ def test_the_builds_fingerprint_ignores_comments_and_docstrings(tmp_path):
 def test_stale_and_misshapen_results_are_named(tmp_path, monkeypatch):
     monkeypatch.setattr(bench, "fingerprint", lambda: "numerics 0123")
     bench.write_results(str(tmp_path / "good.json"), "python bench.py quant", [dict(a=1)])
-    bench.write_results(str(tmp_path / "old.json"), "python bench.py grad", [], fingerprint_of="numerics 9999")
+    bench.write_results(str(tmp_path / "old.json"), "python bench.py grad", [dict(a=1)], fingerprint_of="numerics 9999")
+    bench.write_results(str(tmp_path / "empty.json"), "python bench.py quant", [])  # no rows: nothing measured
     (tmp_path / "shape.json").write_text(json.dumps(dict(command="x", provenance="2026-12-01", rows=[])))
     (tmp_path / "notes.txt").write_text("a measurement log")
     curves = [dict(recipe="quartet2", layer="c_q", gradient=g, batches=[1, 2], errors=[1.0, 0.5], growth=1.0)
               for g in ("dX", "dW")]
     bench.plot_concentration(curves, str(tmp_path / "figure.png"), "python bench.py grad --png figure.png")
     stale = bench.stale_results(str(tmp_path))
-    assert [line.split(":")[0] for line in stale] == ["notes.txt", "old.json", "shape.json"]
-    assert "run again: python bench.py grad" in stale[1]
+    assert [line.split(":")[0] for line in stale] == ["empty.json", "notes.txt", "old.json", "shape.json"]
+    assert "run again: python bench.py grad" in stale[2] and "not a results file of the one shape" in stale[0]
     assert json.loads(bench.png_description(str(tmp_path / "figure.png")))["fingerprint"] == "numerics 0123"
 
 
