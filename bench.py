@@ -189,6 +189,7 @@ def bench_study(args):
     record (--json, else OUT/study.json) is rewritten after each seed and read back first: a seed it holds, measured
     on the same numerics with the same flags, is not trained again; an unfinished seed resumes from its checkpoints."""
     record, runs = args.json or os.path.join(args.out, "study.json"), finished_seeds(args)
+    numerics = fingerprint()  # here, not in the pool's threads: computing it patches model.matmul for a while
     os.makedirs(args.out, exist_ok=True)
 
     def train_seed(seed):  # -> its summary.json
@@ -196,9 +197,9 @@ def bench_study(args):
         flags = ["--preset", args.preset, "--recipe", ",".join(args.recipes), "--seed", str(seed), "--out", out]
         stamp = f"{out}.numerics"  # a seed's run resumes only on the numerics it began with, else starts over
         if os.path.exists(os.path.join(out, "run.json")):
-            flags += ["--resume"] if os.path.exists(stamp) and open(stamp).read() == fingerprint() else ["--overwrite"]
+            flags += ["--resume"] if os.path.exists(stamp) and open(stamp).read() == numerics else ["--overwrite"]
         with open(stamp, "w") as f:
-            f.write(fingerprint())
+            f.write(numerics)
         print(f"seed {seed}: training, log in {out}.log", flush=True)
         with open(f"{out}.log", "w") as log:
             code = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *flags, *args.train_flags],
