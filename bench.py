@@ -27,6 +27,7 @@ import ast
 import concurrent.futures
 import functools
 import hashlib
+import io
 import json
 import math
 import os
@@ -35,6 +36,7 @@ import shutil
 import subprocess
 import sys
 import time
+import tokenize
 
 import numpy as np
 import torch
@@ -606,14 +608,21 @@ def fingerprint():
 
 
 def source_fingerprint(path=os.path.join(ROOT, "kernels.py")):
-    """A hash of a source file's code without its comments and docstrings: what compiled builds depend on."""
-    tree = ast.parse(open(path).read())
-    for node in ast.walk(tree):
+    """A hash of a source file's code without its comments, docstrings and blank lines: what compiled builds depend on.
+    It hashes text, not the syntax tree, whose printed form changes between Python versions."""
+    source = open(path).read()
+    lines = source.splitlines()
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == tokenize.COMMENT:
+            row, column = token.start
+            lines[row - 1] = lines[row - 1][:column]
+    for node in ast.walk(ast.parse(source)):
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) and isinstance(body[0].value,
                                                                                             ast.Constant):
-            node.body = body[1:] or [ast.Pass()]
-    return "kernels.py " + hashlib.sha256(ast.dump(tree).encode()).hexdigest()[:16]
+            lines[body[0].lineno - 1:body[0].end_lineno] = [""] * (body[0].end_lineno - body[0].lineno + 1)
+    code = "\n".join(line.rstrip() for line in lines if line.strip())
+    return "kernels.py " + hashlib.sha256(code.encode()).hexdigest()[:16]
 
 
 def png_description(path):
