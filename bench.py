@@ -181,7 +181,7 @@ def plot_concentration(rows, path, command):
     axes[0].set_ylabel("relative error of the mean of B")
     axes[1].legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120, metadata={"Description": results_description(command)})
+    figure.savefig(path, dpi=120, metadata={"Description": json.dumps(results_head(command))})
 
 
 def bench_study(args):
@@ -230,7 +230,7 @@ def bench_study(args):
     print_study(rows, args.preset)
     first = os.path.join(args.out, f"seed{args.seeds[0]}")
     if args.png and os.path.exists(os.path.join(first, "metrics.jsonl")):  # the first seed's loss curves
-        train.plot(first, results_description(args.command_line))
+        train.plot(first, json.dumps(results_head(args.command_line)))
         shutil.copyfile(os.path.join(first, "loss.png"), args.png)
     return rows
 
@@ -512,18 +512,15 @@ def provenance():
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
 
 
+def results_head(command, fingerprint_of=None):
+    """What a results file holds besides its rows, and a figure in its PNG metadata: the command that made it, its
+    provenance and the fingerprint of what produced it (the numerics, unless given)."""
+    return dict(command=command, provenance=provenance(), fingerprint=fingerprint_of or fingerprint())
+
+
 def write_results(path, command, rows, fingerprint_of=None):
-    """A results file: the command that made it, its provenance, the fingerprint of what produced it (the numerics,
-    unless given) and the rows; written to a temporary file and renamed."""
-    data = dict(command=command, provenance=provenance(), fingerprint=fingerprint_of or fingerprint(), rows=rows)
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(f"{path}.tmp", path)
-
-
-def results_description(command):
-    """What a results figure carries in its PNG metadata: the same command, provenance and fingerprint."""
-    return json.dumps(dict(command=command, provenance=provenance(), fingerprint=fingerprint()))
+    data = results_head(command, fingerprint_of) | dict(rows=rows)
+    train.write_atomically(path, json.dumps(data, indent=1).encode())
 
 
 def grid_values(shape, generator, step, largest):
@@ -623,8 +620,18 @@ def png_description(path):
         return image.text.get("Description")
 
 
-RESULT_KEYS, PROVENANCE_KEYS = ["command", "provenance", "fingerprint", "rows"], ["date", "commit", "device", "torch",
-                                                                                   "triton", "cuda"]
+RESULT_KEYS = ["command", "provenance", "fingerprint", "rows"]
+PROVENANCE_KEYS = ["date", "commit", "device", "torch", "triton", "cuda"]
+
+
+def has_the_one_shape(data, png):
+    """Whether a results file's data holds its keys in order, the provenance's too, a fingerprint and rows (a PNG's
+    rows are its picture)."""
+    if not isinstance(data, dict) or list(data) != RESULT_KEYS[:3 if png else 4]:
+        return False
+    rows = [{}] if png else data["rows"]
+    return isinstance(data["provenance"], dict) and list(data["provenance"]) == PROVENANCE_KEYS and isinstance(
+        data["fingerprint"], str) and isinstance(rows, list) and rows != [] and all(isinstance(r, dict) for r in rows)
 
 
 def stale_results(directory=os.path.join(ROOT, "results")):
@@ -632,18 +639,14 @@ def stale_results(directory=os.path.join(ROOT, "results")):
     with the reason."""
     stale = []
     for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
+        path, png = os.path.join(directory, name), name.endswith(".png")
         try:
-            data = json.loads(png_description(path) or "null") if name.endswith(".png") else json.load(open(path))
-            keys = RESULT_KEYS[:3] if name.endswith(".png") else RESULT_KEYS
-            rows = data.get("rows", [{}]) if isinstance(data, dict) else None  # a PNG's rows are its picture
-            if not isinstance(data, dict) or list(data) != keys or list(data["provenance"]) != PROVENANCE_KEYS or \
-                    not isinstance(data["fingerprint"], str) or not (isinstance(rows, list) and rows and all(
-                        isinstance(row, dict) for row in rows)):
-                stale.append(f"{name}: not a results file of the one shape ({', '.join(RESULT_KEYS)})")
-                continue
-        except (ValueError, TypeError, OSError):  # OSError: not an image PIL can read
+            data = json.loads(png_description(path) or "null") if png else json.load(open(path))
+        except (ValueError, OSError):  # OSError: not an image PIL can read
             stale.append(f"{name}: not a results file (JSON, or a PNG with it in its metadata)")
+            continue
+        if not has_the_one_shape(data, png):
+            stale.append(f"{name}: not a results file of the one shape ({', '.join(RESULT_KEYS)})")
             continue
         expected = source_fingerprint() if data["fingerprint"].startswith("kernels.py") else fingerprint()
         if data["fingerprint"] != expected:
@@ -654,9 +657,10 @@ def stale_results(directory=os.path.join(ROOT, "results")):
 
 def check_results(args):
     stale = stale_results()
-    print(f"numerics: {fingerprint()}, builds: {source_fingerprint()}\n" + ("\n".join(stale) or
-                                                                             "every result in results/ is current"))
-    return stale
+    print(f"numerics: {fingerprint()}, builds: {source_fingerprint()}")
+    print("\n".join(stale) or "every result in results/ is current")
+    if stale:
+        sys.exit(1)  # a script can tell
 
 
 # -----------------------------------------------------------------------------
@@ -749,8 +753,6 @@ def main(argv=None):
                kernels=bench_kernels, fingerprint=check_results)[args.command]
     try:
         rows = run(args)
-        if args.command == "fingerprint" and rows:
-            sys.exit(1)  # stale results: a script can tell
         if getattr(args, "json", None):
             write_results(args.json, args.command_line, rows)
     except (ValueError, OSError, train.TrainingError) as error:  # bad flags or files: one line, no traceback
