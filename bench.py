@@ -95,8 +95,6 @@ def captured_layers(args, device):
     """(name, X [T, in], W [out, in], E [T, out]) of block 0's q, k, v projections, from a BF16 forward and backward
     of a d{depth} GPT on the bundled validation text: with a train.py checkpoint's weights, or nanochat's
     initialization but random output projections and lm_head (at zero, no gradient would reach q, k, v)."""
-    if args.seq_len < 1 or args.tokens < args.seq_len or args.tokens % args.seq_len:
-        raise ValueError(f"--tokens must be a multiple of --seq-len {args.seq_len}, got {args.tokens}")
     torch.manual_seed(args.seed)
     gpt = GPT(args.depth, "bf16", max_seq_len=args.seq_len).to(device)
     if args.checkpoint:
@@ -667,6 +665,8 @@ def check_results(args):
 # Flags
 
 
+# name -> what it measures, from the docstring's list
+COMMANDS = {line.split()[2]: line.partition("# ")[2] for line in __doc__.splitlines() if "python bench.py" in line}
 STUDY_SETS = {"--seed", "--recipe", "--out", "--resume", "--overwrite", "--stop-after", "--preset"}  # of train.py
 
 
@@ -681,18 +681,13 @@ def parse_args(argv=None, check_paths=True):
     """The command and its flags, each checked before any work: one line per bad one (the output paths too, unless
     check_paths is False)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    command = {name: commands.add_parser(name, help=text) for name, text in (
-        ("quant", "quantizer error (paper Table 1) and unbiasedness"), ("grad", "gradient concentration per recipe "
-         "(the paper's Figure 9)"), ("study", "train.py for recipes x seeds, and the comparison table (GPU)"),
-        ("train", "a training step per recipe (GPU)"), ("linear", "one linear layer, forward + backward, per recipe "
-         "(GPU)"), ("kernels", "Triton kernels: time and bandwidth (GPU)"), ("fingerprint", "the numerics' "
-         "fingerprint, and which results files were measured on other numerics"))}
-    quant, grad, study, training, linear, kernel = (command[name].add_argument for name in list(command)[:6])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    quant, grad, study, training, linear, kernel, _ = (subparsers.add_parser(name, help=text).add_argument
+                                                       for name, text in COMMANDS.items())
     gpu_there = torch.cuda.is_available()  # on a CPU grad's smaller model and fewer tokens keep it to ~10 minutes
-    for add, recipes in ((grad, "quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46"), (training, "bf16,"
-                         "quartet2,nvidia"), (study, "bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")):
-        add("--recipes", type=recipe_list, default=recipes)
+    grad("--recipes", type=recipe_list, default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46")
+    study("--recipes", type=recipe_list, default="bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")
+    training("--recipes", type=recipe_list, default="bf16,quartet2,nvidia")
     quant("--size", type=int, default=4096, help="the test tensor is size x size")
     quant("--batches", type=int, default=64, help="B for the concentration check")
     grad("--batches", type=int, default=1024 if gpu_there else 256, help="the largest B")
@@ -702,8 +697,8 @@ def parse_args(argv=None, check_paths=True):
     grad("--checkpoint", help="a train.py checkpoint to take the weights from (default: initialized)")
     study("--seeds", type=int, nargs="+", default=list(range(8)))
     study("--preset", default="small")
-    study("--parallel", type=int, default=1, help="seeds trained at once (on one GPU their tokens/s mean less, "
-          "and each takes its memory: ~12 GB at preset small)")
+    study("--parallel", type=int, default=1, help="seeds trained at once (on one GPU: each takes its memory; "
+          "their tokens/s mean less)")
     study("--out", default="runs/study", help="one train.py run directory per seed below it")
     study("train_flags", nargs="*", help="more train.py flags, after --")
     training("--depth", type=int, nargs="+", default=[12, 20])
@@ -728,7 +723,8 @@ def parse_args(argv=None, check_paths=True):
     command = args.command
     for bad, message in ((command == "train" and args.calls < 1, "--calls must be at least 1"),
                          (command == "study" and "bf16" not in args.recipes, "study compares with bf16: include it"),
-                         (command == "study" and STUDY_SETS & set(args.train_flags), f"study sets {STUDY_SETS} itself"),
+                         (command == "study" and STUDY_SETS & set(args.train_flags),
+                          f"study sets {', '.join(sorted(STUDY_SETS))} itself"),
                          (command == "study" and (args.parallel < 1 or len(set(args.seeds)) < len(args.seeds) or
                                                   not all(0 <= s < 2**31 for s in args.seeds)),
                           "--parallel must be at least 1, and --seeds distinct, in [0, 2^31)"),
@@ -736,6 +732,8 @@ def parse_args(argv=None, check_paths=True):
                           "--size must be a positive multiple of 128 and --batches at least 2"),
                          (command == "grad" and (args.batches < 2 or args.batches & (args.batches - 1)),
                           "--batches must be a power of two, at least 2"),
+                         (command == "grad" and (args.seq_len < 1 or args.tokens < 1 or args.tokens % args.seq_len),
+                          "--seq-len must be positive and --tokens a positive multiple of it"),
                          (not 0 <= getattr(args, "seed", 0) < 2**31, "--seed must be in [0, 2^31)")):
         if bad:
             parser.error(message)
