@@ -109,17 +109,15 @@ def captured_layers(args, device):
                 module.weight.normal_(0, module.weight.shape[1] ** -0.5)
     documents = train.tokenize(train.gpt2_tokenizer(), train.local_texts("val"))
     tokens = train.validation_windows(documents, args.seq_len, args.tokens // args.seq_len).to(device)
-    attention, captured = gpt.blocks[0].attn, {}
+    layers, captured = {name: getattr(gpt.blocks[0].attn, name) for name in ("c_q", "c_k", "c_v")}, {}
 
-    def capture(name):
-        def hook(module, inputs, output):  # X now, E when the backward reaches this layer
-            captured[name] = [inputs[0].detach().flatten(0, 1)]
-            output.register_hook(lambda grad: captured[name].append(grad.flatten(0, 1)))
-        return hook
-    for name in ("c_q", "c_k", "c_v"):
-        getattr(attention, name).register_forward_hook(capture(name))
+    def capture(layer, inputs, output):  # X now, E when the backward reaches the layer
+        captured[layer] = [inputs[0].detach().flatten(0, 1)]
+        output.register_hook(lambda grad: captured[layer].append(grad.flatten(0, 1)))
+    for layer in layers.values():
+        layer.register_forward_hook(capture)
     gpt(tokens[:, :-1], tokens[:, 1:]).backward()
-    return [(name, x, getattr(attention, name).weight.detach(), e) for name, (x, e) in captured.items()]
+    return [(name, captured[layer][0], layer.weight.detach(), captured[layer][1]) for name, layer in layers.items()]
 
 
 def forward_operand(t, q):
@@ -130,8 +128,8 @@ def forward_operand(t, q):
 def exact_gradients(recipe, x, w, e):
     """(dX, dW) that the recipe's backward estimates, in FP64: the exact gradients of its quantized forward, E W_q and
     E^T X_q, except that a weight gradient from the unquantized X (the NVIDIA recipes') estimates E^T X."""
-    return e.double() @ forward_operand(w, recipe.w), e.double().t() @ forward_operand(x, None if recipe.x_dw_bf16
-                                                                                         else recipe.x)
+    x_operand = forward_operand(x, None if recipe.x_dw_bf16 else recipe.x)
+    return e.double() @ forward_operand(w, recipe.w), e.double().t() @ x_operand
 
 
 def bench_grad(args):
