@@ -184,11 +184,12 @@ def bench_study(args):
     """train.py for every seed, as subprocesses (--parallel at a time on one GPU), then the comparison. The study's
     record (--json, else OUT/study.json) is rewritten after each seed and read back first: a seed it holds, measured
     on the same numerics with the same flags, is not trained again; an unfinished seed resumes from its checkpoints."""
-    record, runs = args.json or os.path.join(args.out, "study.json"), finished_seeds(args)
+    record = args.json or os.path.join(args.out, "study.json")
+    runs = finished_seeds(args, record)
     numerics = fingerprint()  # here, not in the pool's threads: computing it patches model.matmul for a while
     os.makedirs(args.out, exist_ok=True)
 
-    def train_seed(seed):  # -> its summary.json
+    def train_seed(seed):  # -> {recipe: its summary row and samples}
         out = os.path.join(args.out, f"seed{seed}")
         flags = ["--preset", args.preset, "--recipe", ",".join(args.recipes), "--seed", str(seed), "--out", out]
         stamp = f"{out}.numerics"  # a seed's run resumes only on the numerics it began with, else starts over
@@ -204,22 +205,21 @@ def bench_study(args):
         if code:
             raise ValueError(f"seed {seed} failed: {f'killed by signal {-code}' if code < 0 else last} ({log.name})")
         try:
-            return json.load(open(os.path.join(out, "summary.json")))
+            summary = json.load(open(os.path.join(out, "summary.json")))
         except (OSError, ValueError):
             raise ValueError(f"seed {seed} wrote no summary.json: {last} ({log.name})") from None
+        return {row["recipe"]: row | dict(samples=summary["samples"][row["recipe"]]) for row in summary["rows"]}
 
     failed = []
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         futures = {pool.submit(train_seed, seed): seed for seed in args.seeds if seed not in runs}
         for future in concurrent.futures.as_completed(futures):
             try:
-                summary = future.result()
+                runs[futures[future]] = future.result()
             except ValueError as error:  # the other seeds go on: the record keeps what they finish
                 failed.append(str(error))
-                continue
-            runs[futures[future]] = {row["recipe"]: row | dict(samples=summary["samples"][row["recipe"]])
-                                     for row in summary["rows"]}
-            write_results(record, args.command_line, study_rows(runs, args.recipes))
+            else:
+                write_results(record, args.command_line, study_rows(runs, args.recipes))
     if failed:
         raise ValueError(f"{'; '.join(failed)}; the seeds that finished are in {record}: run again to train the rest")
     rows = study_rows(runs, args.recipes)
@@ -231,17 +231,18 @@ def bench_study(args):
     return rows
 
 
-def finished_seeds(args):
+def finished_seeds(args, record):
     """{seed: {recipe: its train.py summary row}} of every seed that the study's record holds, if it was measured on
     these numerics with these flags; else {}. A record that holds recipes not asked for is refused (rewriting it
     would drop them)."""
     try:
-        old = json.load(open(args.json or os.path.join(args.out, "study.json")))
+        old = json.load(open(record))
         old_args = parse_args(shlex.split(old["command"])[2:], check_paths=False)
         by_recipe = {row["recipe"]: row["runs"] for row in old["rows"]}
-        assert old["fingerprint"] == fingerprint() and (old_args.preset, old_args.train_flags) == (
-            args.preset, args.train_flags) and set(args.recipes) <= set(by_recipe)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError, SystemExit):
+    except (OSError, ValueError, KeyError, TypeError, SystemExit):  # none, or not a study's record
+        return {}
+    same_flags = (old_args.preset, old_args.train_flags) == (args.preset, args.train_flags)
+    if old.get("fingerprint") != fingerprint() or not same_flags or not set(args.recipes) <= set(by_recipe):
         return {}
     if extra := set(by_recipe) - set(args.recipes):
         raise ValueError(f"the study's record holds {', '.join(sorted(extra))} too: ask for every recipe it holds, "
@@ -252,14 +253,12 @@ def finished_seeds(args):
 
 def t_quantile_975(df):
     """Student's t distribution's 97.5% quantile with df degrees of freedom (the half-width of a 95% interval in
-    standard errors): bisection on its CDF, integrated by the trapezoid rule (4 digits)."""
+    standard errors): where its CDF, integrated by the trapezoid rule, crosses 0.975."""
+    t = np.linspace(0, 100, 200_001)
     log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    cdf = lambda t: 0.5 + np.trapezoid(np.exp(log_norm - (df + 1) / 2 * np.log1p((x := np.linspace(0, t, 20001))
-                                                                                     ** 2 / df)), x)
-    low, high = 0.0, 100.0
-    for _ in range(40):
-        low, high = ((low + high) / 2, high) if cdf((low + high) / 2) < 0.975 else (low, (low + high) / 2)
-    return (low + high) / 2
+    density = np.exp(log_norm - (df + 1) / 2 * np.log1p(t**2 / df))
+    cdf = 0.5 + np.concatenate([[0], np.cumsum((density[1:] + density[:-1]) / 2 * (t[1] - t[0]))])
+    return float(np.interp(0.975, cdf, t))
 
 
 def paired(differences):
@@ -278,10 +277,8 @@ PAPER_GAP_REDUCTION_PCT = {"nvidia": 19, "nvidia46": 17, "tetrajet2": 27}  # Qua
 
 
 def study_rows(runs, recipes):
-    """The comparison of {seed: {recipe: summary row}}, one row per recipe. Each seed trains every recipe from the
-    same weights on the same data, so differences between recipes are taken per seed (paired), and the seed's own
-    noise cancels: the gap to BF16 in % and, against every other recipe, bpb minus the other's, each with its mean,
-    standard deviation and 95% interval over seeds."""
+    """The comparison of {seed: {recipe: summary row}}, one row per recipe: its gap to BF16 in % and, against every
+    other recipe, bpb minus the other's, each paired by seed (see paired)."""
     seeds = sorted(runs)
     bpb = {r: [runs[s][r]["val_bpb"] for s in seeds] for r in recipes}
     rows = []
@@ -307,9 +304,9 @@ def print_study(rows, preset):
     print(f"\npreset {preset}, {len(seeds)} seed(s) {seeds}: final validation bpb (mean over seeds), gap to BF16 and "
           f"bpb minus quartet2's per seed (mean [95% interval]; resolved if the interval excludes 0)")
     print(f"{'recipe':<15}{'bpb':>8}{'gap to bf16':>26}{'minus quartet2':>34}{'quartet2 lower in':>19}")
+    interval = lambda p, f: f"{p['mean']:{f}}" + (f" [{p['interval'][0]:{f}}, {p['interval'][1]:{f}}]"
+                                                  if p["interval"] else "")
     for row in rows:
-        interval = lambda p, f: f"{p['mean']:{f}}" + (f" [{p['interval'][0]:{f}}, {p['interval'][1]:{f}}]"
-                                                      if p["interval"] else "")
         mean_bpb = sum(run["val_bpb"] for run in row["runs"].values()) / len(seeds)
         gap = interval(row["gap_pct"], "+.2f") + "%" if "gap_pct" in row else ""
         versus = row["versus"].get("quartet2")
@@ -529,15 +526,11 @@ def grid_values(shape, generator, step, largest):
 
 @functools.cache
 def fingerprint():
-    """A hash of everything that decides the numbers in results/, computed on the CPU from exact quantities so that
-    every machine and torch version agrees: (1) every recipe's GEMM operands (codes, E4M3 scales, tensor scales to 3
-    digits) in a linear layer's forward and backward on grid inputs; (2) the kernels' random draws for a fixed seed
-    (stochastic rounding with rotations and four-over-six, MS-EDEN phase two); (3) a small GPT's losses and gradient
-    norms over two training steps and train.py's bits per byte of it, to 3 digits; (4) the presets, default flags,
-    schedule, data order and data files.
-    A comment or a faster bit-identical kernel keeps it; any change of numerics changes it. On a GPU machine it is
-    computed by a CPU-only process: a GPU's kernels may order a sum differently from the interpreter (four-over-six's
-    choice between near-equal errors), so only the interpreter's draws are the same on every machine."""
+    """A hash of everything that decides the numbers in results/: every recipe's GEMM operands in a linear layer's
+    forward and backward on grid inputs, the kernels' random draws for a fixed seed, a small GPT's losses, gradient
+    norms and bits per byte over two training steps, the presets, default flags, schedule, data order and data files.
+    All are exact or rounded to 3 digits, and computed on the CPU, so that every machine and torch version agrees (a
+    GPU machine asks a CPU-only process: its kernels may order a sum otherwise than Triton's interpreter)."""
     if torch.cuda.is_available():
         return subprocess.run([sys.executable, "-c", "import bench; print(bench.fingerprint())"], cwd=ROOT, check=True,
                               env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True,
