@@ -659,6 +659,19 @@ def check_results(args):
 # name -> what it measures, from the docstring's list
 COMMANDS = {line.split()[2]: line.partition("# ")[2] for line in __doc__.splitlines() if "python bench.py" in line}
 STUDY_SETS = {"--seed", "--recipe", "--out", "--resume", "--overwrite", "--stop-after", "--preset"}  # of train.py
+FLAG_RULES = [  # (the commands, whether their flags break the rule, what to say)
+    ("quant", lambda a: a.size % 128 or a.size < 128 or a.batches < 2,
+     "--size must be a positive multiple of 128 and --batches at least 2"),
+    ("grad", lambda a: a.batches < 2 or a.batches & (a.batches - 1), "--batches must be a power of two, at least 2"),
+    ("grad", lambda a: a.seq_len < 1 or a.tokens < 1 or a.tokens % a.seq_len,
+     "--seq-len must be positive and --tokens a positive multiple of it"),
+    ("quant grad", lambda a: not 0 <= a.seed < 2**31, "--seed must be in [0, 2^31)"),
+    ("study", lambda a: "bf16" not in a.recipes, "study compares with bf16: include it"),
+    ("study", lambda a: STUDY_SETS & set(a.train_flags), f"study sets {', '.join(sorted(STUDY_SETS))} itself"),
+    ("study", lambda a: a.parallel < 1 or len(set(a.seeds)) < len(a.seeds) or not all(0 <= s < 2**31 for s in a.seeds),
+     "--parallel must be at least 1, and --seeds distinct, in [0, 2^31)"),
+    ("train", lambda a: a.calls < 1, "--calls must be at least 1"),
+]
 
 
 def recipe_list(text):
@@ -711,22 +724,8 @@ def parse_args(argv=None, check_paths=True):
         add("--png", help="the figure (grad: the concentration curves; study: the first seed's loss curves)")
     args = parser.parse_args(argv)
     args.command_line = f"python bench.py {shlex.join(sys.argv[1:] if argv is None else argv)}"
-    command = args.command
-    for bad, message in ((command == "train" and args.calls < 1, "--calls must be at least 1"),
-                         (command == "study" and "bf16" not in args.recipes, "study compares with bf16: include it"),
-                         (command == "study" and STUDY_SETS & set(args.train_flags),
-                          f"study sets {', '.join(sorted(STUDY_SETS))} itself"),
-                         (command == "study" and (args.parallel < 1 or len(set(args.seeds)) < len(args.seeds) or
-                                                  not all(0 <= s < 2**31 for s in args.seeds)),
-                          "--parallel must be at least 1, and --seeds distinct, in [0, 2^31)"),
-                         (command == "quant" and (args.size % 128 or args.size < 128 or args.batches < 2),
-                          "--size must be a positive multiple of 128 and --batches at least 2"),
-                         (command == "grad" and (args.batches < 2 or args.batches & (args.batches - 1)),
-                          "--batches must be a power of two, at least 2"),
-                         (command == "grad" and (args.seq_len < 1 or args.tokens < 1 or args.tokens % args.seq_len),
-                          "--seq-len must be positive and --tokens a positive multiple of it"),
-                         (not 0 <= getattr(args, "seed", 0) < 2**31, "--seed must be in [0, 2^31)")):
-        if bad:
+    for commands, broken, message in FLAG_RULES:
+        if args.command in commands.split() and broken(args):
             parser.error(message)
     for path, ending in ((getattr(args, "json", None), ".json"), (getattr(args, "png", None), ".png")):
         folder = os.path.dirname(os.path.abspath(path or "."))
