@@ -387,9 +387,8 @@ def bench_train(args):
             baseline = next((r["tokens_per_s"] for r in rows if (r["depth"], r["recipe"]) == (depth, "bf16")), None)
             rows.append(dict(depth=depth, recipe=recipe, accumulation=accumulation, forward_backward_ms=ms_fb,
                              optimizer_ms=ms_opt, step_ms=ms_step, tokens_per_s=tokens_per_s,
-                             peak_memory_gb=peak_memory,
-                             vs_bf16=tokens_per_s / baseline if baseline else None, compiled=args.compile,
-                             cuda_graph=args.cuda_graph))
+                             peak_memory_gb=peak_memory, vs_bf16=tokens_per_s / baseline if baseline else None,
+                             compiled=args.compile, cuda_graph=args.cuda_graph))
             ratio = f"{rows[-1]['vs_bf16']:.2f}x" if baseline else "-"
             print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{ms_opt:>9.1f}{ms_step:>9.1f}"
                   f"{tokens_per_s:>11,.0f}{ratio:>8}{peak_memory:>8.1f}", flush=True)
