@@ -97,8 +97,6 @@ def captured_layers(args, device):
     """(name, X [T, in], W [out, in], E [T, out]) of block 0's q, k, v projections, from a BF16 forward and backward
     of a d{depth} GPT on the bundled validation text: with a train.py checkpoint's weights, or nanochat's
     initialization but random output projections and lm_head (at zero, no gradient would reach q, k, v)."""
-    if args.seq_len < 1 or args.tokens < args.seq_len or args.tokens % args.seq_len:
-        raise ValueError(f"--tokens must be a multiple of --seq-len {args.seq_len}, got {args.tokens}")
     torch.manual_seed(args.seed)
     gpt = GPT(args.depth, "bf16", max_seq_len=args.seq_len).to(device)
     if args.checkpoint:
@@ -113,17 +111,15 @@ def captured_layers(args, device):
                 module.weight.normal_(0, module.weight.shape[1] ** -0.5)
     documents = train.tokenize(train.gpt2_tokenizer(), train.local_texts("val"))
     tokens = train.validation_windows(documents, args.seq_len, args.tokens // args.seq_len).to(device)
-    attention, captured = gpt.blocks[0].attn, {}
+    layers, captured = {name: getattr(gpt.blocks[0].attn, name) for name in ("c_q", "c_k", "c_v")}, {}
 
-    def capture(name):
-        def hook(module, inputs, output):  # X now, E when the backward reaches this layer
-            captured[name] = [inputs[0].detach().flatten(0, 1)]
-            output.register_hook(lambda grad: captured[name].append(grad.flatten(0, 1)))
-        return hook
-    for name in ("c_q", "c_k", "c_v"):
-        getattr(attention, name).register_forward_hook(capture(name))
+    def capture(layer, inputs, output):  # X now, E when the backward reaches the layer
+        captured[layer] = [inputs[0].detach().flatten(0, 1)]
+        output.register_hook(lambda grad: captured[layer].append(grad.flatten(0, 1)))
+    for layer in layers.values():
+        layer.register_forward_hook(capture)
     gpt(tokens[:, :-1], tokens[:, 1:]).backward()
-    return [(name, x, getattr(attention, name).weight.detach(), e) for name, (x, e) in captured.items()]
+    return [(name, captured[layer][0], layer.weight.detach(), captured[layer][1]) for name, layer in layers.items()]
 
 
 def forward_operand(t, q):
@@ -134,8 +130,8 @@ def forward_operand(t, q):
 def exact_gradients(recipe, x, w, e):
     """(dX, dW) that the recipe's backward estimates, in FP64: the exact gradients of its quantized forward, E W_q and
     E^T X_q, except that a weight gradient from the unquantized X (the NVIDIA recipes') estimates E^T X."""
-    return e.double() @ forward_operand(w, recipe.w), e.double().t() @ forward_operand(x, None if recipe.x_dw_bf16
-                                                                                         else recipe.x)
+    x_operand = forward_operand(x, None if recipe.x_dw_bf16 else recipe.x)
+    return e.double() @ forward_operand(w, recipe.w), e.double().t() @ x_operand
 
 
 def bench_grad(args):
@@ -183,18 +179,19 @@ def plot_concentration(rows, path, command):
     axes[0].set_ylabel("relative error of the mean of B")
     axes[1].legend(fontsize=8)
     figure.tight_layout()
-    figure.savefig(path, dpi=120, metadata={"Description": results_description(command)})
+    figure.savefig(path, dpi=120, metadata={"Description": json.dumps(results_head(command))})
 
 
 def bench_study(args):
     """train.py for every seed, as subprocesses (--parallel at a time on one GPU), then the comparison. The study's
     record (--json, else OUT/study.json) is rewritten after each seed and read back first: a seed it holds, measured
     on the same numerics with the same flags, is not trained again; an unfinished seed resumes from its checkpoints."""
-    record, runs = args.json or os.path.join(args.out, "study.json"), finished_seeds(args)
+    record = args.json or os.path.join(args.out, "study.json")
+    runs = finished_seeds(args, record)
     numerics = fingerprint()  # here, not in the pool's threads: computing it patches model.matmul for a while
     os.makedirs(args.out, exist_ok=True)
 
-    def train_seed(seed):  # -> its summary.json
+    def train_seed(seed):  # -> {recipe: its summary row and samples}
         out = os.path.join(args.out, f"seed{seed}")
         flags = ["--preset", args.preset, "--recipe", ",".join(args.recipes), "--seed", str(seed), "--out", out]
         stamp = f"{out}.numerics"  # a seed's run resumes only on the numerics it began with, else starts over
@@ -210,44 +207,44 @@ def bench_study(args):
         if code:
             raise ValueError(f"seed {seed} failed: {f'killed by signal {-code}' if code < 0 else last} ({log.name})")
         try:
-            return json.load(open(os.path.join(out, "summary.json")))
+            summary = json.load(open(os.path.join(out, "summary.json")))
         except (OSError, ValueError):
             raise ValueError(f"seed {seed} wrote no summary.json: {last} ({log.name})") from None
+        return {row["recipe"]: row | dict(samples=summary["samples"][row["recipe"]]) for row in summary["rows"]}
 
     failed = []
     with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
         futures = {pool.submit(train_seed, seed): seed for seed in args.seeds if seed not in runs}
         for future in concurrent.futures.as_completed(futures):
             try:
-                summary = future.result()
+                runs[futures[future]] = future.result()
             except ValueError as error:  # the other seeds go on: the record keeps what they finish
                 failed.append(str(error))
-                continue
-            runs[futures[future]] = {row["recipe"]: row | dict(samples=summary["samples"][row["recipe"]])
-                                     for row in summary["rows"]}
-            write_results(record, args.command_line, study_rows(runs, args.recipes))
+            else:
+                write_results(record, args.command_line, study_rows(runs, args.recipes))
     if failed:
         raise ValueError(f"{'; '.join(failed)}; the seeds that finished are in {record}: run again to train the rest")
     rows = study_rows(runs, args.recipes)
     print_study(rows, args.preset)
     first = os.path.join(args.out, f"seed{args.seeds[0]}")
     if args.png and os.path.exists(os.path.join(first, "metrics.jsonl")):  # the first seed's loss curves
-        train.plot(first, results_description(args.command_line))
+        train.plot(first, json.dumps(results_head(args.command_line)))
         shutil.copyfile(os.path.join(first, "loss.png"), args.png)
     return rows
 
 
-def finished_seeds(args):
+def finished_seeds(args, record):
     """{seed: {recipe: its train.py summary row}} of every seed that the study's record holds, if it was measured on
     these numerics with these flags; else {}. A record that holds recipes not asked for is refused (rewriting it
     would drop them)."""
     try:
-        old = json.load(open(args.json or os.path.join(args.out, "study.json")))
+        old = json.load(open(record))
         old_args = parse_args(shlex.split(old["command"])[2:], check_paths=False)
         by_recipe = {row["recipe"]: row["runs"] for row in old["rows"]}
-        assert old["fingerprint"] == fingerprint() and (old_args.preset, old_args.train_flags) == (
-            args.preset, args.train_flags) and set(args.recipes) <= set(by_recipe)
-    except (OSError, ValueError, KeyError, TypeError, AssertionError, SystemExit):
+    except (OSError, ValueError, KeyError, TypeError, SystemExit):  # none, or not a study's record
+        return {}
+    same_flags = (old_args.preset, old_args.train_flags) == (args.preset, args.train_flags)
+    if old.get("fingerprint") != fingerprint() or not same_flags or not set(args.recipes) <= set(by_recipe):
         return {}
     if extra := set(by_recipe) - set(args.recipes):
         raise ValueError(f"the study's record holds {', '.join(sorted(extra))} too: ask for every recipe it holds, "
@@ -258,14 +255,12 @@ def finished_seeds(args):
 
 def t_quantile_975(df):
     """Student's t distribution's 97.5% quantile with df degrees of freedom (the half-width of a 95% interval in
-    standard errors): bisection on its CDF, integrated by the trapezoid rule (4 digits)."""
+    standard errors): where its CDF, integrated by the trapezoid rule, crosses 0.975."""
+    t = np.linspace(0, 100, 200_001)
     log_norm = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    cdf = lambda t: 0.5 + np.trapezoid(np.exp(log_norm - (df + 1) / 2 * np.log1p((x := np.linspace(0, t, 20001))
-                                                                                     ** 2 / df)), x)
-    low, high = 0.0, 100.0
-    for _ in range(40):
-        low, high = ((low + high) / 2, high) if cdf((low + high) / 2) < 0.975 else (low, (low + high) / 2)
-    return (low + high) / 2
+    density = np.exp(log_norm - (df + 1) / 2 * np.log1p(t**2 / df))
+    cdf = 0.5 + np.concatenate([[0], np.cumsum((density[1:] + density[:-1]) / 2 * (t[1] - t[0]))])
+    return float(np.interp(0.975, cdf, t))
 
 
 def paired(differences):
@@ -284,10 +279,8 @@ PAPER_GAP_REDUCTION_PCT = {"nvidia": 19, "nvidia46": 17, "tetrajet2": 27}  # Qua
 
 
 def study_rows(runs, recipes):
-    """The comparison of {seed: {recipe: summary row}}, one row per recipe. Each seed trains every recipe from the
-    same weights on the same data, so differences between recipes are taken per seed (paired), and the seed's own
-    noise cancels: the gap to BF16 in % and, against every other recipe, bpb minus the other's, each with its mean,
-    standard deviation and 95% interval over seeds."""
+    """The comparison of {seed: {recipe: summary row}}, one row per recipe: its gap to BF16 in % and, against every
+    other recipe, bpb minus the other's, each paired by seed (see paired)."""
     seeds = sorted(runs)
     bpb = {r: [runs[s][r]["val_bpb"] for s in seeds] for r in recipes}
     rows = []
@@ -313,9 +306,9 @@ def print_study(rows, preset):
     print(f"\npreset {preset}, {len(seeds)} seed(s) {seeds}: final validation bpb (mean over seeds), gap to BF16 and "
           f"bpb minus quartet2's per seed (mean [95% interval]; resolved if the interval excludes 0)")
     print(f"{'recipe':<15}{'bpb':>8}{'gap to bf16':>26}{'minus quartet2':>34}{'quartet2 lower in':>19}")
+    interval = lambda p, f: f"{p['mean']:{f}}" + (f" [{p['interval'][0]:{f}}, {p['interval'][1]:{f}}]"
+                                                  if p["interval"] else "")
     for row in rows:
-        interval = lambda p, f: f"{p['mean']:{f}}" + (f" [{p['interval'][0]:{f}}, {p['interval'][1]:{f}}]"
-                                                      if p["interval"] else "")
         mean_bpb = sum(run["val_bpb"] for run in row["runs"].values()) / len(seeds)
         gap = interval(row["gap_pct"], "+.2f") + "%" if "gap_pct" in row else ""
         versus = row["versus"].get("quartet2")
@@ -396,9 +389,8 @@ def bench_train(args):
             baseline = next((r["tokens_per_s"] for r in rows if (r["depth"], r["recipe"]) == (depth, "bf16")), None)
             rows.append(dict(depth=depth, recipe=recipe, accumulation=accumulation, forward_backward_ms=ms_fb,
                              optimizer_ms=ms_opt, step_ms=ms_step, tokens_per_s=tokens_per_s,
-                             peak_memory_gb=peak_memory,
-                             vs_bf16=tokens_per_s / baseline if baseline else None, compiled=args.compile,
-                             cuda_graph=args.cuda_graph))
+                             peak_memory_gb=peak_memory, vs_bf16=tokens_per_s / baseline if baseline else None,
+                             compiled=args.compile, cuda_graph=args.cuda_graph))
             ratio = f"{rows[-1]['vs_bf16']:.2f}x" if baseline else "-"
             print(f"{depth:>5} {recipe:<10}{accumulation:>6}{ms_fb:>11.1f}{ms_opt:>9.1f}{ms_step:>9.1f}"
                   f"{tokens_per_s:>11,.0f}{ratio:>8}{peak_memory:>8.1f}", flush=True)
@@ -514,18 +506,15 @@ def provenance():
                 torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda)
 
 
+def results_head(command, fingerprint_of=None):
+    """What a results file holds besides its rows, and a figure in its PNG metadata: the command that made it, its
+    provenance and the fingerprint of what produced it (the numerics, unless given)."""
+    return dict(command=command, provenance=provenance(), fingerprint=fingerprint_of or fingerprint())
+
+
 def write_results(path, command, rows, fingerprint_of=None):
-    """A results file: the command that made it, its provenance, the fingerprint of what produced it (the numerics,
-    unless given) and the rows; written to a temporary file and renamed."""
-    data = dict(command=command, provenance=provenance(), fingerprint=fingerprint_of or fingerprint(), rows=rows)
-    with open(f"{path}.tmp", "w") as f:
-        json.dump(data, f, indent=1)
-    os.replace(f"{path}.tmp", path)
-
-
-def results_description(command):
-    """What a results figure carries in its PNG metadata: the same command, provenance and fingerprint."""
-    return json.dumps(dict(command=command, provenance=provenance(), fingerprint=fingerprint()))
+    data = results_head(command, fingerprint_of) | dict(rows=rows)
+    train.write_atomically(path, json.dumps(data, indent=1).encode())
 
 
 def grid_values(shape, generator, step, largest):
@@ -538,15 +527,11 @@ def grid_values(shape, generator, step, largest):
 
 @functools.cache
 def fingerprint():
-    """A hash of everything that decides the numbers in results/, computed on the CPU from exact quantities so that
-    every machine and torch version agrees: (1) every recipe's GEMM operands (codes, E4M3 scales, tensor scales to 3
-    digits) in a linear layer's forward and backward on grid inputs; (2) the kernels' random draws for a fixed seed
-    (stochastic rounding with rotations and four-over-six, MS-EDEN phase two); (3) a small GPT's losses and gradient
-    norms over two training steps and train.py's bits per byte of it, to 3 digits; (4) the presets, default flags,
-    schedule, data order and data files.
-    A comment or a faster bit-identical kernel keeps it; any change of numerics changes it. On a GPU machine it is
-    computed by a CPU-only process: a GPU's kernels may order a sum differently from the interpreter (four-over-six's
-    choice between near-equal errors), so only the interpreter's draws are the same on every machine."""
+    """A hash of everything that decides the numbers in results/: every recipe's GEMM operands in a linear layer's
+    forward and backward on grid inputs, the kernels' random draws for a fixed seed, a small GPT's losses, gradient
+    norms and bits per byte over two training steps, the presets, default flags, schedule, data order and data files.
+    All are exact or rounded to 3 digits, and computed on the CPU, so that every machine and torch version agrees (a
+    GPU machine asks a CPU-only process: its kernels may order a sum otherwise than Triton's interpreter)."""
     if torch.cuda.is_available():
         return subprocess.run([sys.executable, "-c", "import bench; print(bench.fingerprint())"], cwd=ROOT, check=True,
                               env=dict(os.environ, CUDA_VISIBLE_DEVICES=""), capture_output=True,
@@ -632,8 +617,18 @@ def png_description(path):
         return image.text.get("Description")
 
 
-RESULT_KEYS, PROVENANCE_KEYS = ["command", "provenance", "fingerprint", "rows"], ["date", "commit", "device", "torch",
-                                                                                   "triton", "cuda"]
+RESULT_KEYS = ["command", "provenance", "fingerprint", "rows"]
+PROVENANCE_KEYS = ["date", "commit", "device", "torch", "triton", "cuda"]
+
+
+def has_the_one_shape(data, png):
+    """Whether a results file's data holds its keys in order, the provenance's too, a fingerprint and rows (a PNG's
+    rows are its picture)."""
+    if not isinstance(data, dict) or list(data) != RESULT_KEYS[:3 if png else 4]:
+        return False
+    rows = [{}] if png else data["rows"]
+    return isinstance(data["provenance"], dict) and list(data["provenance"]) == PROVENANCE_KEYS and isinstance(
+        data["fingerprint"], str) and isinstance(rows, list) and rows != [] and all(isinstance(r, dict) for r in rows)
 
 
 def stale_results(directory=os.path.join(ROOT, "results")):
@@ -641,18 +636,14 @@ def stale_results(directory=os.path.join(ROOT, "results")):
     with the reason."""
     stale = []
     for name in sorted(os.listdir(directory)):
-        path = os.path.join(directory, name)
+        path, png = os.path.join(directory, name), name.endswith(".png")
         try:
-            data = json.loads(png_description(path) or "null") if name.endswith(".png") else json.load(open(path))
-            keys = RESULT_KEYS[:3] if name.endswith(".png") else RESULT_KEYS
-            rows = data.get("rows", [{}]) if isinstance(data, dict) else None  # a PNG's rows are its picture
-            if not isinstance(data, dict) or list(data) != keys or list(data["provenance"]) != PROVENANCE_KEYS or \
-                    not isinstance(data["fingerprint"], str) or not (isinstance(rows, list) and rows and all(
-                        isinstance(row, dict) for row in rows)):
-                stale.append(f"{name}: not a results file of the one shape ({', '.join(RESULT_KEYS)})")
-                continue
-        except (ValueError, TypeError, OSError):  # OSError: not an image PIL can read
+            data = json.loads(png_description(path) or "null") if png else json.load(open(path))
+        except (ValueError, OSError):  # OSError: not an image PIL can read
             stale.append(f"{name}: not a results file (JSON, or a PNG with it in its metadata)")
+            continue
+        if not has_the_one_shape(data, png):
+            stale.append(f"{name}: not a results file of the one shape ({', '.join(RESULT_KEYS)})")
             continue
         expected = source_fingerprint() if data["fingerprint"].startswith("kernels.py") else fingerprint()
         if data["fingerprint"] != expected:
@@ -663,16 +654,32 @@ def stale_results(directory=os.path.join(ROOT, "results")):
 
 def check_results(args):
     stale = stale_results()
-    print(f"numerics: {fingerprint()}, builds: {source_fingerprint()}\n" + ("\n".join(stale) or
-                                                                             "every result in results/ is current"))
-    return stale
+    print(f"numerics: {fingerprint()}, builds: {source_fingerprint()}")
+    print("\n".join(stale) or "every result in results/ is current")
+    if stale:
+        sys.exit(1)  # a script can tell
 
 
 # -----------------------------------------------------------------------------
 # Flags
 
 
+# name -> what it measures, from the docstring's list
+COMMANDS = {line.split()[2]: line.partition("# ")[2] for line in __doc__.splitlines() if "python bench.py" in line}
 STUDY_SETS = {"--seed", "--recipe", "--out", "--resume", "--overwrite", "--stop-after", "--preset"}  # of train.py
+FLAG_RULES = [  # (the commands, whether their flags break the rule, what to say)
+    ("quant", lambda a: a.size % 128 or a.size < 128 or a.batches < 2,
+     "--size must be a positive multiple of 128 and --batches at least 2"),
+    ("grad", lambda a: a.batches < 2 or a.batches & (a.batches - 1), "--batches must be a power of two, at least 2"),
+    ("grad", lambda a: a.seq_len < 1 or a.tokens < 1 or a.tokens % a.seq_len,
+     "--seq-len must be positive and --tokens a positive multiple of it"),
+    ("quant grad", lambda a: not 0 <= a.seed < 2**31, "--seed must be in [0, 2^31)"),
+    ("study", lambda a: "bf16" not in a.recipes, "study compares with bf16: include it"),
+    ("study", lambda a: STUDY_SETS & set(a.train_flags), f"study sets {', '.join(sorted(STUDY_SETS))} itself"),
+    ("study", lambda a: a.parallel < 1 or len(set(a.seeds)) < len(a.seeds) or not all(0 <= s < 2**31 for s in a.seeds),
+     "--parallel must be at least 1, and --seeds distinct, in [0, 2^31)"),
+    ("train", lambda a: a.calls < 1, "--calls must be at least 1"),
+]
 
 
 def recipe_list(text):
@@ -686,18 +693,13 @@ def parse_args(argv=None, check_paths=True):
     """The command and its flags, each checked before any work: one line per bad one (the output paths too, unless
     check_paths is False)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    commands = parser.add_subparsers(dest="command", required=True)
-    command = {name: commands.add_parser(name, help=text) for name, text in (
-        ("quant", "quantizer error (paper Table 1) and unbiasedness"), ("grad", "gradient concentration per recipe "
-         "(the paper's Figure 9)"), ("study", "train.py for recipes x seeds, and the comparison table (GPU)"),
-        ("train", "a training step per recipe (GPU)"), ("linear", "one linear layer, forward + backward, per recipe "
-         "(GPU)"), ("kernels", "Triton kernels: time and bandwidth (GPU)"), ("fingerprint", "the numerics' "
-         "fingerprint, and which results files were measured on other numerics"))}
-    quant, grad, study, training, linear, kernel = (command[name].add_argument for name in list(command)[:6])
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    quant, grad, study, training, linear, kernel, _ = (subparsers.add_parser(name, help=text).add_argument
+                                                       for name, text in COMMANDS.items())
     gpu_there = torch.cuda.is_available()  # on a CPU grad's smaller model and fewer tokens keep it to ~10 minutes
-    for add, recipes in ((grad, "quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46"), (training, "bf16,"
-                         "quartet2,nvidia"), (study, "bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")):
-        add("--recipes", type=recipe_list, default=recipes)
+    grad("--recipes", type=recipe_list, default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46")
+    study("--recipes", type=recipe_list, default="bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")
+    training("--recipes", type=recipe_list, default="bf16,quartet2,nvidia")
     quant("--size", type=int, default=4096, help="the test tensor is size x size")
     quant("--batches", type=int, default=64, help="B for the concentration check")
     grad("--batches", type=int, default=1024 if gpu_there else 256, help="the largest B")
@@ -707,8 +709,8 @@ def parse_args(argv=None, check_paths=True):
     grad("--checkpoint", help="a train.py checkpoint to take the weights from (default: initialized)")
     study("--seeds", type=int, nargs="+", default=list(range(8)))
     study("--preset", default="small")
-    study("--parallel", type=int, default=1, help="seeds trained at once (on one GPU their tokens/s mean less, "
-          "and each takes its memory: ~12 GB at preset small)")
+    study("--parallel", type=int, default=1, help="seeds trained at once (on one GPU: each takes its memory; "
+          "their tokens/s mean less)")
     study("--out", default="runs/study", help="one train.py run directory per seed below it")
     study("train_flags", nargs="*", help="more train.py flags, after --")
     training("--depth", type=int, nargs="+", default=[12, 20])
@@ -730,19 +732,8 @@ def parse_args(argv=None, check_paths=True):
         add("--png", help="the figure (grad: the concentration curves; study: the first seed's loss curves)")
     args = parser.parse_args(argv)
     args.command_line = f"python bench.py {shlex.join(sys.argv[1:] if argv is None else argv)}"
-    command = args.command
-    for bad, message in ((command == "train" and args.calls < 1, "--calls must be at least 1"),
-                         (command == "study" and "bf16" not in args.recipes, "study compares with bf16: include it"),
-                         (command == "study" and STUDY_SETS & set(args.train_flags), f"study sets {STUDY_SETS} itself"),
-                         (command == "study" and (args.parallel < 1 or len(set(args.seeds)) < len(args.seeds) or
-                                                  not all(0 <= s < 2**31 for s in args.seeds)),
-                          "--parallel must be at least 1, and --seeds distinct, in [0, 2^31)"),
-                         (command == "quant" and (args.size % 128 or args.size < 128 or args.batches < 2),
-                          "--size must be a positive multiple of 128 and --batches at least 2"),
-                         (command == "grad" and (args.batches < 2 or args.batches & (args.batches - 1)),
-                          "--batches must be a power of two, at least 2"),
-                         (not 0 <= getattr(args, "seed", 0) < 2**31, "--seed must be in [0, 2^31)")):
-        if bad:
+    for commands, broken, message in FLAG_RULES:
+        if args.command in commands.split() and broken(args):
             parser.error(message)
     for path, ending in ((getattr(args, "json", None), ".json"), (getattr(args, "png", None), ".png")):
         folder = os.path.dirname(os.path.abspath(path or "."))
@@ -758,8 +749,6 @@ def main(argv=None):
                kernels=bench_kernels, fingerprint=check_results)[args.command]
     try:
         rows = run(args)
-        if args.command == "fingerprint" and rows:
-            sys.exit(1)  # stale results: a script can tell
         if getattr(args, "json", None):
             write_results(args.json, args.command_line, rows)
     except (ValueError, OSError, train.TrainingError) as error:  # bad flags or files: one line, no traceback
