@@ -237,11 +237,18 @@ def finished_seeds(args, record):
     """{seed: {recipe: its train.py summary row}} of every seed that the study's record holds, if it was measured on
     these numerics with these flags; else {}. A record that holds recipes not asked for is refused (rewriting it
     would drop them)."""
+    if not os.path.exists(record):
+        return {}
     try:
         old = json.load(open(record))
+    except ValueError:
+        old = None
+    if not (isinstance(old, dict) and str(old.get("command")).startswith("python bench.py study")):
+        raise ValueError(f"{record} is not a study's record, and the study would overwrite it: give another --json")
+    try:
         old_args = parse_args(shlex.split(old["command"])[2:], check_paths=False)
         by_recipe = {row["recipe"]: row["runs"] for row in old["rows"]}
-    except (OSError, ValueError, KeyError, TypeError, SystemExit):  # none, or not a study's record
+    except (ValueError, KeyError, TypeError, SystemExit):  # a record of an older shape
         return {}
     same_flags = (old_args.preset, old_args.train_flags) == (args.preset, args.train_flags)
     if old.get("fingerprint") != fingerprint() or not same_flags or not set(args.recipes) <= set(by_recipe):
@@ -500,6 +507,7 @@ def provenance():
         commit = "no git checkout"
     else:  # results/, dev/ and the README are not code: rewriting a result does not make the next one dirty
         dirty = git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!results", ":!dev", ":!README.md")
+        dirty += git("ls-files", "--others", "--exclude-standard", "--", "*.py")  # new code not yet committed
         commit = git("rev-parse", "--short", "HEAD") + (" + uncommitted changes" if dirty else "")
     return dict(date=time.strftime("%Y-%m-%d"), commit=commit,
                 device=torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",

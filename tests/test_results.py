@@ -87,7 +87,18 @@ def test_provenance_names_the_commit_only_of_this_checkout(tmp_path, monkeypatch
     assert bench.provenance()["commit"] == commit
     (tmp_path / "code.py").write_text("x = 2\n")
     assert bench.provenance()["commit"] == commit + " + uncommitted changes"
+    git(tmp_path, "checkout", "-q", "code.py")
+    (tmp_path / "new.py").write_text("y = 1\n")  # new code, not yet committed
+    assert bench.provenance()["commit"] == commit + " + uncommitted changes"
     assert list(bench.provenance()) == bench.PROVENANCE_KEYS
+
+
+def test_a_study_refuses_to_overwrite_another_commands_results(tmp_path):
+    path = str(tmp_path / "quant.json")
+    bench.write_results(path, "python bench.py quant", [dict(a=1)], fingerprint_of="numerics 0123")
+    args = bench.parse_args(["study", "--preset", "tiny", "--seeds", "0", "--json", path, "--out", str(tmp_path)])
+    with pytest.raises(ValueError, match="not a study"):
+        bench.finished_seeds(args, path)
 
 
 @pytest.mark.parametrize("df,quantile", [(1, 12.706), (2, 4.303), (4, 2.776), (7, 2.365), (9, 2.262), (30, 2.042)])
