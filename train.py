@@ -26,6 +26,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import random
 import sys
 import textwrap
@@ -67,8 +68,7 @@ class TrainingError(Exception):
 # Data: documents, cut into windows; bits per byte
 def gpt2_tokenizer(path=os.path.join(DATA_DIR, "gpt2.tiktoken")):
     """GPT-2's BPE from the shipped file, checked against its SHA-256 (tiktoken's loader caches an unchecked copy)."""
-    with open(path, "rb") as f:
-        content = f.read()
+    content = pathlib.Path(path).read_bytes()
     if hashlib.sha256(content).hexdigest() != TOKENIZER_SHA256:
         raise TrainingError(f"{path} is not GPT-2's vocabulary (its SHA-256 differs); restore it from the repository")
     ranks = {base64.b64decode(token): int(rank) for token, rank in map(bytes.split, content.splitlines())}
@@ -85,8 +85,7 @@ def local_texts(split, data_dir=DATA_DIR, digest=None):
     texts = []
     for name in sorted(glob.glob(os.path.join(glob.escape(data_dir), f"fineweb_edu_{split}_*.jsonl.gz"))):
         try:
-            with open(name, "rb") as f:
-                content = f.read()
+            content = pathlib.Path(name).read_bytes()
             texts += [json.loads(line)["text"] for line in gzip.decompress(content).splitlines() if line.strip()]
             assert all(isinstance(text, str) for text in texts), "a \"text\" that is not a string"
         except (OSError, EOFError, ValueError, KeyError, TypeError, AssertionError) as error:
@@ -257,11 +256,8 @@ def cuda_graph(fn, warmups=3):
 def train_recipe(recipe, args, processes, data, run_id):
     """Train one recipe from its first step or its checkpoint: its row of the table (None if --stop-after stops it)."""
     (documents, validation, bytes_per_token), device = data, processes.device
-    model, trained, optimizers, micro_batch, checkpoint = setup_recipe(recipe, args, processes, run_id)
-    start = checkpoint["step"] if checkpoint else 0
-    windows = Windows(documents, args.seq_len, checkpoint and checkpoint["data"])
-    history = checkpoint["history"] if checkpoint else dict(tokens_per_s=[], final_bpb=None, peak_memory_gb=None,
-                                                            lowest_loss=math.inf)
+    model, trained, optimizers, micro_batch, start, windows, history = setup_recipe(recipe, documents, args,
+                                                                                    processes, run_id)
     seconds, later = [], args.steps * (len(args.recipes) - 1 - args.recipes.index(recipe))  # the recipes after it
     for step in range(start + 1, args.steps + 1):  # numbered from 1, as the log and metrics.jsonl count them
         tic = time.time()
@@ -284,9 +280,17 @@ def train_recipe(recipe, args, processes, data, run_id):
             record["val_bpb"] = history["final_bpb"] = evaluate(trained, validation, bytes_per_token, processes, args)
             processes.log(f"[{recipe}] step {step}: validation bpb {record['val_bpb']:.4f}")
         stopping = args.stop_after and step - start >= args.stop_after and step < args.steps
-        if step % args.checkpoint_every == 0 or step == args.steps or stopping:
+        if step % args.checkpoint_every == 0 or step == args.steps or stopping:  # with every rank's random state
+            rng = processes.gather(dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device)
+                                        if device.type == "cuda" else None))
+            if not all(torch.isfinite(p).all() for p in model.parameters()):
+                raise TrainingError(f"[{recipe}] non-finite weights at step {step}; stopped, checkpoint kept")
             record["checkpoint"] = True  # appended once the checkpoint is written: a recipe that had one says so
-            save_recipe(recipe, model, optimizers, windows, history, record, args, processes)
+            if processes.rank == 0:
+                save_checkpoint(checkpoint_path(args.out, recipe), dict(
+                    run_id=run_id, recipe=recipe, step=step, model=model.state_dict(), rng=rng, history=history,
+                    adamw=optimizers[0].state_dict(), muon=optimizers[1].state_dict(), data=windows.state_dict(),
+                    record=record))
         if processes.rank == 0:
             with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -303,15 +307,16 @@ def train_recipe(recipe, args, processes, data, run_id):
                 peak_memory_gb=history["peak_memory_gb"], tokens_per_s=sum(speeds) / len(speeds) if speeds else None)
 
 
-def setup_recipe(recipe, args, processes, run_id):
-    """(model, model as trained (compiled, DDP), (AdamW, Muon), micro_batch(tokens) -> loss, checkpoint): the seed's
-    weights (the same for every recipe and rank), then the recipe's checkpoint if it has one."""
+def setup_recipe(recipe, documents, args, processes, run_id):
+    """(model, model as trained (compiled, DDP), (AdamW, Muon), micro_batch(tokens) -> loss, the loop's start, its
+    Windows, its history): the seed's weights (the same for every recipe and rank), then the recipe's checkpoint."""
     path, records, device = checkpoint_path(args.out, recipe), read_metrics(args.out), processes.device
     written = any(r["recipe"] == recipe and r.get("checkpoint") for r in records)  # then it must be there
     checkpoint = load_checkpoint(path, run_id, recipe) if written or os.path.exists(path) else None
-    if checkpoint and checkpoint["step"] > args.steps:
-        raise TrainingError(f"[{recipe}] --steps {args.steps} is below its checkpoint's step {checkpoint['step']}: a "
-                            f"run can be extended, not shortened")
+    start = checkpoint["step"] if checkpoint else 0
+    if start > args.steps:
+        raise TrainingError(f"[{recipe}] --steps {args.steps} is below its checkpoint's step {start}: a run can be "
+                            f"extended, not shortened")
     torch.manual_seed(args.seed)
     model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(device)
     adamw, muon = make_optimizers(model, args.lr_matrix, args.lr_embedding, args.lr_head)
@@ -322,9 +327,9 @@ def setup_recipe(recipe, args, processes, run_id):
         torch.set_rng_state(checkpoint["rng"][processes.rank]["cpu"])
         if device.type == "cuda":
             torch.cuda.set_rng_state(checkpoint["rng"][processes.rank]["cuda"], device)
-        processes.log(f"[{recipe}] resumed at step {checkpoint['step']}")
+        processes.log(f"[{recipe}] resumed at step {start}")
     if processes.rank == 0:  # it writes its records after the checkpoint again; partial lines go too
-        kept = [r for r in records if r["recipe"] != recipe or checkpoint and r["step"] < checkpoint["step"]]
+        kept = [r for r in records if r["recipe"] != recipe or checkpoint and r["step"] < start]
         kept += [checkpoint["record"]] if checkpoint else []  # a kill may have come between it and its record
         write_atomically(os.path.join(args.out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in kept).encode())
     trained = compile_model(model) if args.compile else model
@@ -340,22 +345,24 @@ def setup_recipe(recipe, args, processes, run_id):
             loss = trained(tokens[:, :-1], tokens[:, 1:])
         (loss / micro_batches).backward()
         return loss.detach()
-    if not args.cuda_graph or checkpoint and checkpoint["step"] == args.steps:
-        return model, trained, (adamw, muon), micro_batch, checkpoint
+    windows = Windows(documents, args.seq_len, checkpoint and checkpoint["data"])
+    history = checkpoint["history"] if checkpoint else dict(tokens_per_s=[], final_bpb=None, peak_memory_gb=None,
+                                                            lowest_loss=math.inf)
+    if not args.cuda_graph or start == args.steps:
+        return model, trained, (adamw, muon), micro_batch, start, windows, history
     # --cuda-graph on a static buffer; the random state put back after the capture draws what an uncaptured run draws
     static = torch.zeros(args.device_batch, args.seq_len + 1, dtype=torch.long, device=device)
-    random_state = torch.cuda.get_rng_state(device)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    replay, loss = cuda_graph(lambda: micro_batch(static))
-    torch.cuda.set_rng_state(random_state, device)
+    with torch.random.fork_rng([device]):
+        replay, loss = cuda_graph(lambda: micro_batch(static))
     model.zero_grad(set_to_none=False)  # the warm-up's gradients
 
     def captured(tokens):
         static.copy_(tokens)
         replay()
         return loss  # read before the next replay
-    return model, trained, (adamw, muon), captured, checkpoint
+    return model, trained, (adamw, muon), captured, start, windows, history
 
 
 def train_step(model, trained, optimizers, micro_batch, batch, step, args, processes):
@@ -383,19 +390,6 @@ def lr_multiplier(step, steps, warmup, warmdown):
         return (step + 1) / warmup
     decay_start = steps * (1 - warmdown)
     return 1.0 if step < decay_start else max(0.0, (steps - step) / (steps - decay_start))
-
-
-def save_recipe(recipe, model, optimizers, windows, history, record, args, processes):
-    """The recipe's checkpoint, with every rank's random state (each resumes its own), if its weights are finite."""
-    rng = processes.gather(dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(processes.device)
-                                if processes.device.type == "cuda" else None))
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise TrainingError(f"[{recipe}] non-finite weights at step {record['step']}; stopped, checkpoint kept")
-    if processes.rank == 0:
-        save_checkpoint(checkpoint_path(args.out, recipe), dict(
-            run_id=record["run_id"], recipe=recipe, step=record["step"], model=model.state_dict(),
-            adamw=optimizers[0].state_dict(), muon=optimizers[1].state_dict(), data=windows.state_dict(), rng=rng,
-            history=history, record=record))
 
 
 def evaluate(model, windows, bytes_per_token, processes, args):
@@ -471,8 +465,7 @@ def read_run(out, purpose):
     if not os.path.isfile(path := os.path.join(out, "run.json")):
         raise TrainingError(f"nothing to {purpose}: {path} not found (name the run's directory with --out)")
     try:
-        with open(path) as f:
-            run = json.load(f)
+        run = json.loads(pathlib.Path(path).read_text())
         assert isinstance(run.get("run_id"), str) and {"depth", "seq_len", "dtype", "seed"} <= run["flags"].keys()
         return run
     except (ValueError, AttributeError, AssertionError, KeyError):
