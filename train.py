@@ -18,7 +18,6 @@ import argparse
 import base64
 import contextlib
 import fcntl
-import glob
 import gzip
 import hashlib
 import io
@@ -83,16 +82,16 @@ def tokenize(tokenizer, texts):
 def local_texts(split, data_dir=DATA_DIR, digest=None):
     """The bundled sample's texts (gzipped JSON lines with a "text" string); each file's name and bytes into digest."""
     texts = []
-    for name in sorted(glob.glob(os.path.join(glob.escape(data_dir), f"fineweb_edu_{split}_*.jsonl.gz"))):
+    for path in sorted(pathlib.Path(data_dir).glob(f"fineweb_edu_{split}_*.jsonl.gz")):  # data_dir is no pattern
         try:
-            content = pathlib.Path(name).read_bytes()
+            content = path.read_bytes()
             texts += [json.loads(line)["text"] for line in gzip.decompress(content).splitlines() if line.strip()]
             assert all(isinstance(text, str) for text in texts), "a \"text\" that is not a string"
         except (OSError, EOFError, ValueError, KeyError, TypeError, AssertionError) as error:
-            raise TrainingError(f"{name} is not gzipped JSON lines with a \"text\" string ({type(error).__name__}: "
+            raise TrainingError(f"{path} is not gzipped JSON lines with a \"text\" string ({type(error).__name__}: "
                                 f"{error}); restore it from the repository") from None
         if digest:
-            digest.update(os.path.basename(name).encode() + content)
+            digest.update(path.name.encode() + content)
     if not texts:  # no files, or empty ones
         raise TrainingError(f"no {split} documents in {data_dir} (the sample ships in data/; or use --data hf)")
     return texts
@@ -223,6 +222,16 @@ class Processes:
         values = [value] * self.world
         return dist.all_gather_object(values, value) or values if self.distributed else values
 
+    def from_rank0(self, work, *args):  # rank 0 does the work; every rank returns its result, or raises its error
+        try:
+            outcome = (work(*args), None) if self.rank == 0 else None
+        except TrainingError as error:
+            outcome = None, str(error)
+        result, error = self.gather(outcome)[0]
+        if error is not None:
+            raise TrainingError(error)
+        return result
+
 
 def autocast(device, dtype):
     return torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
@@ -252,12 +261,11 @@ def cuda_graph(fn, warmups=3):
 
 
 # -----------------------------------------------------------------------------
-# A recipe's training: the loop; its setup, its step, its checkpoint; evaluation
-def train_recipe(recipe, args, processes, data, run_id):
+# A recipe's training: the loop (its checkpoints too); its setup, its step; evaluation
+def train_recipe(recipe, args, processes, data):
     """Train one recipe from its first step or its checkpoint: its row of the table (None if --stop-after stops it)."""
     (documents, validation, bytes_per_token), device = data, processes.device
-    model, trained, optimizers, micro_batch, start, windows, history = setup_recipe(recipe, documents, args,
-                                                                                    processes, run_id)
+    model, trained, optimizers, micro_batch, start, windows, history = setup_recipe(recipe, documents, args, processes)
     seconds, later = [], args.steps * (len(args.recipes) - 1 - args.recipes.index(recipe))  # the recipes after it
     for step in range(start + 1, args.steps + 1):  # numbered from 1, as the log and metrics.jsonl count them
         tic = time.time()
@@ -268,7 +276,7 @@ def train_recipe(recipe, args, processes, data, run_id):
             raise TrainingError(f"[{recipe}] non-finite loss ({loss}) at step {step}; stopped, checkpoint kept")
         history["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
         seconds.append(time.time() - tic)
-        record = dict(run_id=run_id, recipe=recipe, step=step, loss=loss, lr_multiplier=multiplier,
+        record = dict(run_id=args.run_id, recipe=recipe, step=step, loss=loss, lr_multiplier=multiplier,
                       tokens_per_s=args.batch_tokens / seconds[-1])
         history["tokens_per_s"] += [record["tokens_per_s"]] if step - start > 3 else []  # not compiling, warming up
         history["lowest_loss"] = min(history["lowest_loss"], loss)
@@ -288,7 +296,7 @@ def train_recipe(recipe, args, processes, data, run_id):
             record["checkpoint"] = True  # appended once the checkpoint is written: a recipe that had one says so
             if processes.rank == 0:
                 save_checkpoint(checkpoint_path(args.out, recipe), dict(
-                    run_id=run_id, recipe=recipe, step=step, model=model.state_dict(), rng=rng, history=history,
+                    run_id=args.run_id, recipe=recipe, step=step, model=model.state_dict(), rng=rng, history=history,
                     adamw=optimizers[0].state_dict(), muon=optimizers[1].state_dict(), data=windows.state_dict(),
                     record=record))
         if processes.rank == 0:
@@ -307,12 +315,12 @@ def train_recipe(recipe, args, processes, data, run_id):
                 peak_memory_gb=history["peak_memory_gb"], tokens_per_s=sum(speeds) / len(speeds) if speeds else None)
 
 
-def setup_recipe(recipe, documents, args, processes, run_id):
+def setup_recipe(recipe, documents, args, processes):
     """(model, model as trained (compiled, DDP), (AdamW, Muon), micro_batch(tokens) -> loss, the loop's start, its
     Windows, its history): the seed's weights (the same for every recipe and rank), then the recipe's checkpoint."""
     path, records, device = checkpoint_path(args.out, recipe), read_metrics(args.out), processes.device
     written = any(r["recipe"] == recipe and r.get("checkpoint") for r in records)  # then it must be there
-    checkpoint = load_checkpoint(path, run_id, recipe) if written or os.path.exists(path) else None
+    checkpoint = load_checkpoint(path, args.run_id, recipe) if written or os.path.exists(path) else None
     start = checkpoint["step"] if checkpoint else 0
     if start > args.steps:
         raise TrainingError(f"[{recipe}] --steps {args.steps} is below its checkpoint's step {start}: a run can be "
@@ -408,20 +416,8 @@ def evaluate(model, windows, bytes_per_token, processes, args):
 
 # -----------------------------------------------------------------------------
 # The run's directory: where a run lives, and how nothing in it is lost
-def open_run(args, processes, fingerprint, cleanup):
-    """The run's id: rank 0 claims the run's directory (claim_run), and every rank takes its answer, or its error."""
-    try:
-        outcome = claim_run(args, processes.world, fingerprint, cleanup) if processes.rank == 0 else (None, None)
-    except TrainingError as error:
-        outcome = None, str(error)
-    args.out, answer = processes.gather(outcome)[0]
-    if args.out is None:
-        raise TrainingError(answer)
-    return answer
-
-
 def claim_run(args, world, fingerprint, cleanup):
-    """(OUT, run id): a new runs/<date>-<time>-<id>, --out, or runs/latest to resume; locked until `cleanup` closes."""
+    """Rank 0's (OUT, run id): a new runs/<date>-<time>-<id>, --out, or runs/latest to resume; locked until cleanup."""
     out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}") if args.new_dir else \
         os.path.realpath(args.out or os.path.join(RUNS, "latest"))
     run = read_run(out, "resume") if args.resume else None
@@ -546,7 +542,7 @@ def read_metrics(out):
 
 # -----------------------------------------------------------------------------
 # The comparison, and the samples: every model continues the same prompts
-def summarize(rows, args, run_id, processes):
+def summarize(rows, args, processes):
     """Rank 0's end of a run: the table, the samples, OUT/summary.json and loss.png; the checkpoints unless kept."""
     baseline, device = next((r["val_bpb"] for r in rows if r["recipe"] == "bf16"), None), processes.device
     print(f"\n{'recipe':<14}{'val bpb':>10}{'gap to bf16':>13}{'tokens/s':>12}{'peak memory':>13}")
@@ -561,12 +557,12 @@ def summarize(rows, args, run_id, processes):
           "it).\nTokens/s: " + ("of PyTorch's reference code, on a CPU." if device.type == "cpu" else "quantizing, "
           "without faster GEMMs (no FP4 tensor cores)." if emulated else "with NVFP4 GEMMs on FP4 tensor cores."))
     print(f"\nEvery model continues the same prompts with the same draws (temperature {TEMPERATURE}, top {TOP_K}):")
-    samples = recipe_samples(args, device, run_id, args.recipes, PROMPTS)
-    summary = dict(run_id=run_id, rows=rows, prompts=PROMPTS, samples=samples, date=time.strftime("%Y-%m-%d"),
+    samples = recipe_samples(args, device, args.recipes, PROMPTS)
+    summary = dict(run_id=args.run_id, rows=rows, prompts=PROMPTS, samples=samples, date=time.strftime("%Y-%m-%d"),
                    args=vars(args), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    world_size=processes.world, torch=torch.__version__, emulated_nvfp4=emulated)
     write_atomically(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1, default=str).encode())
-    plot(args.out, f"train.py run {run_id[:8]}, {summary['device']}, {summary['date']}")
+    plot(args.out, f"train.py run {args.run_id[:8]}, {summary['device']}, {summary['date']}")
     for recipe in () if args.keep_checkpoints else args.recipes:
         with contextlib.suppress(FileNotFoundError):
             os.remove(checkpoint_path(args.out, recipe))
@@ -605,13 +601,13 @@ def plot(out, provenance):
     write_atomically(os.path.join(out, "loss.png"), image.getvalue())
 
 
-def recipe_samples(args, device, run_id, recipes, prompts):
+def recipe_samples(args, device, recipes, prompts):
     """{recipe: its model's continuations of the prompts}, printed: each from its checkpoint, with the same draws."""
     tokenizer, samples = gpt2_tokenizer(), {}
     for recipe in recipes:
         with torch.random.fork_rng(devices=[]):  # initial weights, which the checkpoint's replace
             model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(device)
-        model.load_state_dict(load_checkpoint(checkpoint_path(args.out, recipe), run_id, recipe)["model"])
+        model.load_state_dict(load_checkpoint(checkpoint_path(args.out, recipe), args.run_id, recipe)["model"])
         samples[recipe] = []
         for prompt in prompts:
             tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=device)  # as a document starts
@@ -635,7 +631,8 @@ def sample_run(args, device):
         raise TrainingError(f"nothing to sample: no model of {args.out} has trained a step")
     args.depth, args.seq_len, args.seed = (run["flags"][name] for name in ("depth", "seq_len", "seed"))
     args.dtype = "bfloat16" if device.type == "cuda" else run["flags"]["dtype"]
-    recipe_samples(args, device, run["run_id"], recipes, [args.sample])
+    args.run_id = run["run_id"]
+    recipe_samples(args, device, recipes, [args.sample])
 
 
 # -----------------------------------------------------------------------------
@@ -758,20 +755,20 @@ def main(argv=None):
             bytes_per_token = token_bytes(tokenizer)
             validation = validation_windows(validation, args.seq_len, args.eval_tokens // args.seq_len,
                                             args.device_batch * processes.world, bytes_per_token)
-            run_id = open_run(args, processes, fingerprint, cleanup)
+            args.out, args.run_id = processes.from_rank0(claim_run, args, processes.world, fingerprint, cleanup)
             passes = args.steps * args.batch_tokens / sum(map(len, documents(0, 0))) if args.data == "local" else 0
-            processes.log(f"run {run_id[:8]} in {args.out}, on {processes.device} x {processes.world}\npreset "
+            processes.log(f"run {args.run_id[:8]} in {args.out}, on {processes.device} x {processes.world}\npreset "
                           f"{args.preset}: depth {args.depth}, recipes {', '.join(args.recipes)}, {len(validation)} "
                           f"validation windows of {args.seq_len} tokens\n{args.steps} steps of "
                           f"{amount(args.batch_tokens)} tokens: {amount(args.steps * args.batch_tokens)} tokens per "
                           f"recipe" + (f", {passes:.2g} passes over the bundled sample" if passes else ""))
             rows = []
             for recipe in args.recipes:
-                rows.append(train_recipe(recipe, args, processes, (documents, validation, bytes_per_token), run_id))
+                rows.append(train_recipe(recipe, args, processes, (documents, validation, bytes_per_token)))
                 if rows[-1] is None:  # --stop-after
                     return
             if processes.rank == 0:
-                summarize(rows, args, run_id, processes)
+                summarize(rows, args, processes)
     except (TrainingError, ValueError, OSError) as error:  # ValueError: the model's rules; OSError: a file's
         sys.exit(f"train.py: error: {error}")
     except KeyboardInterrupt:
