@@ -288,9 +288,9 @@ def train_recipe(recipe, args, processes, data):
             record["val_bpb"] = history["final_bpb"] = evaluate(trained, validation, bytes_per_token, processes, args)
             processes.log(f"[{recipe}] step {step}: validation bpb {record['val_bpb']:.4f}")
         stopping = args.stop_after and step - start >= args.stop_after and step < args.steps
-        if step % args.checkpoint_every == 0 or step == args.steps or stopping:  # with every rank's random state
+        if step % args.checkpoint_every == 0 or step == args.steps or stopping:
             rng = processes.gather(dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device)
-                                        if device.type == "cuda" else None))
+                                        if device.type == "cuda" else None))  # every rank's: each resumes its own
             if not all(torch.isfinite(p).all() for p in model.parameters()):
                 raise TrainingError(f"[{recipe}] non-finite weights at step {step}; stopped, checkpoint kept")
             record["checkpoint"] = True  # appended once the checkpoint is written: a recipe that had one says so
@@ -316,8 +316,8 @@ def train_recipe(recipe, args, processes, data):
 
 
 def setup_recipe(recipe, documents, args, processes):
-    """(model, model as trained (compiled, DDP), (AdamW, Muon), micro_batch(tokens) -> loss, the loop's start, its
-    Windows, its history): the seed's weights (the same for every recipe and rank), then the recipe's checkpoint."""
+    """(model, model as trained (compiled, DDP), (AdamW, Muon), micro_batch(tokens) -> loss, the step it resumes after
+    or 0, Windows, history): the seed's weights (the same for every recipe and rank), then the recipe's checkpoint."""
     path, records, device = checkpoint_path(args.out, recipe), read_metrics(args.out), processes.device
     written = any(r["recipe"] == recipe and r.get("checkpoint") for r in records)  # then it must be there
     checkpoint = load_checkpoint(path, args.run_id, recipe) if written or os.path.exists(path) else None
