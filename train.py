@@ -18,7 +18,6 @@ import argparse
 import base64
 import contextlib
 import fcntl
-import glob
 import gzip
 import hashlib
 import io
@@ -26,6 +25,7 @@ import itertools
 import json
 import math
 import os
+import pathlib
 import random
 import sys
 import textwrap
@@ -67,8 +67,7 @@ class TrainingError(Exception):
 # Data: documents, cut into windows; bits per byte
 def gpt2_tokenizer(path=os.path.join(DATA_DIR, "gpt2.tiktoken")):
     """GPT-2's BPE from the shipped file, checked against its SHA-256 (tiktoken's loader caches an unchecked copy)."""
-    with open(path, "rb") as f:
-        content = f.read()
+    content = pathlib.Path(path).read_bytes()
     if hashlib.sha256(content).hexdigest() != TOKENIZER_SHA256:
         raise TrainingError(f"{path} is not GPT-2's vocabulary (its SHA-256 differs); restore it from the repository")
     ranks = {base64.b64decode(token): int(rank) for token, rank in map(bytes.split, content.splitlines())}
@@ -83,17 +82,16 @@ def tokenize(tokenizer, texts):
 def local_texts(split, data_dir=DATA_DIR, digest=None):
     """The bundled sample's texts (gzipped JSON lines with a "text" string); each file's name and bytes into digest."""
     texts = []
-    for name in sorted(glob.glob(os.path.join(glob.escape(data_dir), f"fineweb_edu_{split}_*.jsonl.gz"))):
+    for path in sorted(pathlib.Path(data_dir).glob(f"fineweb_edu_{split}_*.jsonl.gz")):  # data_dir is no pattern
         try:
-            with open(name, "rb") as f:
-                content = f.read()
+            content = path.read_bytes()
             texts += [json.loads(line)["text"] for line in gzip.decompress(content).splitlines() if line.strip()]
             assert all(isinstance(text, str) for text in texts), "a \"text\" that is not a string"
         except (OSError, EOFError, ValueError, KeyError, TypeError, AssertionError) as error:
-            raise TrainingError(f"{name} is not gzipped JSON lines with a \"text\" string ({type(error).__name__}: "
+            raise TrainingError(f"{path} is not gzipped JSON lines with a \"text\" string ({type(error).__name__}: "
                                 f"{error}); restore it from the repository") from None
         if digest:
-            digest.update(os.path.basename(name).encode() + content)
+            digest.update(path.name.encode() + content)
     if not texts:  # no files, or empty ones
         raise TrainingError(f"no {split} documents in {data_dir} (the sample ships in data/; or use --data hf)")
     return texts
@@ -224,6 +222,16 @@ class Processes:
         values = [value] * self.world
         return dist.all_gather_object(values, value) or values if self.distributed else values
 
+    def from_rank0(self, work, *args):  # rank 0 does the work; every rank returns its result, or raises its error
+        try:
+            outcome = (work(*args), None) if self.rank == 0 else None
+        except TrainingError as error:
+            outcome = None, str(error)
+        result, error = self.gather(outcome)[0]
+        if error is not None:
+            raise TrainingError(error)
+        return result
+
 
 def autocast(device, dtype):
     return torch.autocast(device.type, dtype=getattr(torch, dtype), enabled=dtype != "float32")
@@ -253,15 +261,11 @@ def cuda_graph(fn, warmups=3):
 
 
 # -----------------------------------------------------------------------------
-# A recipe's training: the loop; its setup, its step, its checkpoint; evaluation
-def train_recipe(recipe, args, processes, data, run_id):
+# A recipe's training: the loop (its checkpoints too); its setup, its step; evaluation
+def train_recipe(recipe, args, processes, data):
     """Train one recipe from its first step or its checkpoint: its row of the table (None if --stop-after stops it)."""
     (documents, validation, bytes_per_token), device = data, processes.device
-    model, trained, optimizers, micro_batch, checkpoint = setup_recipe(recipe, args, processes, run_id)
-    start = checkpoint["step"] if checkpoint else 0
-    windows = Windows(documents, args.seq_len, checkpoint and checkpoint["data"])
-    history = checkpoint["history"] if checkpoint else dict(tokens_per_s=[], final_bpb=None, peak_memory_gb=None,
-                                                            lowest_loss=math.inf)
+    model, trained, optimizers, micro_batch, start, windows, history = setup_recipe(recipe, documents, args, processes)
     seconds, later = [], args.steps * (len(args.recipes) - 1 - args.recipes.index(recipe))  # the recipes after it
     for step in range(start + 1, args.steps + 1):  # numbered from 1, as the log and metrics.jsonl count them
         tic = time.time()
@@ -272,7 +276,7 @@ def train_recipe(recipe, args, processes, data, run_id):
             raise TrainingError(f"[{recipe}] non-finite loss ({loss}) at step {step}; stopped, checkpoint kept")
         history["peak_memory_gb"] = torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None
         seconds.append(time.time() - tic)
-        record = dict(run_id=run_id, recipe=recipe, step=step, loss=loss, lr_multiplier=multiplier,
+        record = dict(run_id=args.run_id, recipe=recipe, step=step, loss=loss, lr_multiplier=multiplier,
                       tokens_per_s=args.batch_tokens / seconds[-1])
         history["tokens_per_s"] += [record["tokens_per_s"]] if step - start > 3 else []  # not compiling, warming up
         history["lowest_loss"] = min(history["lowest_loss"], loss)
@@ -285,8 +289,16 @@ def train_recipe(recipe, args, processes, data, run_id):
             processes.log(f"[{recipe}] step {step}: validation bpb {record['val_bpb']:.4f}")
         stopping = args.stop_after and step - start >= args.stop_after and step < args.steps
         if step % args.checkpoint_every == 0 or step == args.steps or stopping:
+            rng = processes.gather(dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(device)
+                                        if device.type == "cuda" else None))  # every rank's: each resumes its own
+            if not all(torch.isfinite(p).all() for p in model.parameters()):
+                raise TrainingError(f"[{recipe}] non-finite weights at step {step}; stopped, checkpoint kept")
             record["checkpoint"] = True  # appended once the checkpoint is written: a recipe that had one says so
-            save_recipe(recipe, model, optimizers, windows, history, record, args, processes)
+            if processes.rank == 0:
+                save_checkpoint(checkpoint_path(args.out, recipe), dict(
+                    run_id=args.run_id, recipe=recipe, step=step, model=model.state_dict(), rng=rng, history=history,
+                    adamw=optimizers[0].state_dict(), muon=optimizers[1].state_dict(), data=windows.state_dict(),
+                    record=record))
         if processes.rank == 0:
             with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")
@@ -303,15 +315,16 @@ def train_recipe(recipe, args, processes, data, run_id):
                 peak_memory_gb=history["peak_memory_gb"], tokens_per_s=sum(speeds) / len(speeds) if speeds else None)
 
 
-def setup_recipe(recipe, args, processes, run_id):
-    """(model, model as trained (compiled, DDP), (AdamW, Muon), micro_batch(tokens) -> loss, checkpoint): the seed's
-    weights (the same for every recipe and rank), then the recipe's checkpoint if it has one."""
+def setup_recipe(recipe, documents, args, processes):
+    """(model, model as trained (compiled, DDP), (AdamW, Muon), micro_batch(tokens) -> loss, the step it resumes after
+    or 0, Windows, history): the seed's weights (the same for every recipe and rank), then the recipe's checkpoint."""
     path, records, device = checkpoint_path(args.out, recipe), read_metrics(args.out), processes.device
     written = any(r["recipe"] == recipe and r.get("checkpoint") for r in records)  # then it must be there
-    checkpoint = load_checkpoint(path, run_id, recipe) if written or os.path.exists(path) else None
-    if checkpoint and checkpoint["step"] > args.steps:
-        raise TrainingError(f"[{recipe}] --steps {args.steps} is below its checkpoint's step {checkpoint['step']}: a "
-                            f"run can be extended, not shortened")
+    checkpoint = load_checkpoint(path, args.run_id, recipe) if written or os.path.exists(path) else None
+    start = checkpoint["step"] if checkpoint else 0
+    if start > args.steps:
+        raise TrainingError(f"[{recipe}] --steps {args.steps} is below its checkpoint's step {start}: a run can be "
+                            f"extended, not shortened")
     torch.manual_seed(args.seed)
     model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(device)
     adamw, muon = make_optimizers(model, args.lr_matrix, args.lr_embedding, args.lr_head)
@@ -322,9 +335,9 @@ def setup_recipe(recipe, args, processes, run_id):
         torch.set_rng_state(checkpoint["rng"][processes.rank]["cpu"])
         if device.type == "cuda":
             torch.cuda.set_rng_state(checkpoint["rng"][processes.rank]["cuda"], device)
-        processes.log(f"[{recipe}] resumed at step {checkpoint['step']}")
+        processes.log(f"[{recipe}] resumed at step {start}")
     if processes.rank == 0:  # it writes its records after the checkpoint again; partial lines go too
-        kept = [r for r in records if r["recipe"] != recipe or checkpoint and r["step"] < checkpoint["step"]]
+        kept = [r for r in records if r["recipe"] != recipe or checkpoint and r["step"] < start]
         kept += [checkpoint["record"]] if checkpoint else []  # a kill may have come between it and its record
         write_atomically(os.path.join(args.out, "metrics.jsonl"), "".join(json.dumps(r) + "\n" for r in kept).encode())
     trained = compile_model(model) if args.compile else model
@@ -340,22 +353,24 @@ def setup_recipe(recipe, args, processes, run_id):
             loss = trained(tokens[:, :-1], tokens[:, 1:])
         (loss / micro_batches).backward()
         return loss.detach()
-    if not args.cuda_graph or checkpoint and checkpoint["step"] == args.steps:
-        return model, trained, (adamw, muon), micro_batch, checkpoint
+    windows = Windows(documents, args.seq_len, checkpoint and checkpoint["data"])
+    history = checkpoint["history"] if checkpoint else dict(tokens_per_s=[], final_bpb=None, peak_memory_gb=None,
+                                                            lowest_loss=math.inf)
+    if not args.cuda_graph or start == args.steps:
+        return model, trained, (adamw, muon), micro_batch, start, windows, history
     # --cuda-graph on a static buffer; the random state put back after the capture draws what an uncaptured run draws
     static = torch.zeros(args.device_batch, args.seq_len + 1, dtype=torch.long, device=device)
-    random_state = torch.cuda.get_rng_state(device)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
-    replay, loss = cuda_graph(lambda: micro_batch(static))
-    torch.cuda.set_rng_state(random_state, device)
+    with torch.random.fork_rng([device]):
+        replay, loss = cuda_graph(lambda: micro_batch(static))
     model.zero_grad(set_to_none=False)  # the warm-up's gradients
 
     def captured(tokens):
         static.copy_(tokens)
         replay()
         return loss  # read before the next replay
-    return model, trained, (adamw, muon), captured, checkpoint
+    return model, trained, (adamw, muon), captured, start, windows, history
 
 
 def train_step(model, trained, optimizers, micro_batch, batch, step, args, processes):
@@ -385,19 +400,6 @@ def lr_multiplier(step, steps, warmup, warmdown):
     return 1.0 if step < decay_start else max(0.0, (steps - step) / (steps - decay_start))
 
 
-def save_recipe(recipe, model, optimizers, windows, history, record, args, processes):
-    """The recipe's checkpoint, with every rank's random state (each resumes its own), if its weights are finite."""
-    rng = processes.gather(dict(cpu=torch.get_rng_state(), cuda=torch.cuda.get_rng_state(processes.device)
-                                if processes.device.type == "cuda" else None))
-    if not all(torch.isfinite(p).all() for p in model.parameters()):
-        raise TrainingError(f"[{recipe}] non-finite weights at step {record['step']}; stopped, checkpoint kept")
-    if processes.rank == 0:
-        save_checkpoint(checkpoint_path(args.out, recipe), dict(
-            run_id=record["run_id"], recipe=recipe, step=record["step"], model=model.state_dict(),
-            adamw=optimizers[0].state_dict(), muon=optimizers[1].state_dict(), data=windows.state_dict(), rng=rng,
-            history=history, record=record))
-
-
 def evaluate(model, windows, bytes_per_token, processes, args):
     """Validation bits per byte over the fixed validation windows (each rank takes a share)."""
     model.eval()
@@ -414,20 +416,8 @@ def evaluate(model, windows, bytes_per_token, processes, args):
 
 # -----------------------------------------------------------------------------
 # The run's directory: where a run lives, and how nothing in it is lost
-def open_run(args, processes, fingerprint, cleanup):
-    """The run's id: rank 0 claims the run's directory (claim_run), and every rank takes its answer, or its error."""
-    try:
-        outcome = claim_run(args, processes.world, fingerprint, cleanup) if processes.rank == 0 else (None, None)
-    except TrainingError as error:
-        outcome = None, str(error)
-    args.out, answer = processes.gather(outcome)[0]
-    if args.out is None:
-        raise TrainingError(answer)
-    return answer
-
-
 def claim_run(args, world, fingerprint, cleanup):
-    """(OUT, run id): a new runs/<date>-<time>-<id>, --out, or runs/latest to resume; locked until `cleanup` closes."""
+    """Rank 0's (OUT, run id): a new runs/<date>-<time>-<id>, --out, or runs/latest to resume; locked until cleanup."""
     out = os.path.join(RUNS, f"{time.strftime('%Y%m%d-%H%M%S')}-{os.urandom(3).hex()}") if args.new_dir else \
         os.path.realpath(args.out or os.path.join(RUNS, "latest"))
     run = read_run(out, "resume") if args.resume else None
@@ -471,8 +461,7 @@ def read_run(out, purpose):
     if not os.path.isfile(path := os.path.join(out, "run.json")):
         raise TrainingError(f"nothing to {purpose}: {path} not found (name the run's directory with --out)")
     try:
-        with open(path) as f:
-            run = json.load(f)
+        run = json.loads(pathlib.Path(path).read_text())
         assert isinstance(run.get("run_id"), str) and {"depth", "seq_len", "dtype", "seed"} <= run["flags"].keys()
         return run
     except (ValueError, AttributeError, AssertionError, KeyError):
@@ -553,7 +542,7 @@ def read_metrics(out):
 
 # -----------------------------------------------------------------------------
 # The comparison, and the samples: every model continues the same prompts
-def summarize(rows, args, run_id, processes):
+def summarize(rows, args, processes):
     """Rank 0's end of a run: the table, the samples, OUT/summary.json and loss.png; the checkpoints unless kept."""
     baseline, device = next((r["val_bpb"] for r in rows if r["recipe"] == "bf16"), None), processes.device
     print(f"\n{'recipe':<14}{'val bpb':>10}{'gap to bf16':>13}{'tokens/s':>12}{'peak memory':>13}")
@@ -568,12 +557,12 @@ def summarize(rows, args, run_id, processes):
           "it).\nTokens/s: " + ("of PyTorch's reference code, on a CPU." if device.type == "cpu" else "quantizing, "
           "without faster GEMMs (no FP4 tensor cores)." if emulated else "with NVFP4 GEMMs on FP4 tensor cores."))
     print(f"\nEvery model continues the same prompts with the same draws (temperature {TEMPERATURE}, top {TOP_K}):")
-    samples = recipe_samples(args, device, run_id, args.recipes, PROMPTS)
-    summary = dict(run_id=run_id, rows=rows, prompts=PROMPTS, samples=samples, date=time.strftime("%Y-%m-%d"),
+    samples = recipe_samples(args, device, args.recipes, PROMPTS)
+    summary = dict(run_id=args.run_id, rows=rows, prompts=PROMPTS, samples=samples, date=time.strftime("%Y-%m-%d"),
                    args=vars(args), device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                    world_size=processes.world, torch=torch.__version__, emulated_nvfp4=emulated)
     write_atomically(os.path.join(args.out, "summary.json"), json.dumps(summary, indent=1, default=str).encode())
-    plot(args.out, f"train.py run {run_id[:8]}, {summary['device']}, {summary['date']}")
+    plot(args.out, f"train.py run {args.run_id[:8]}, {summary['device']}, {summary['date']}")
     for recipe in () if args.keep_checkpoints else args.recipes:
         with contextlib.suppress(FileNotFoundError):
             os.remove(checkpoint_path(args.out, recipe))
@@ -612,13 +601,13 @@ def plot(out, provenance):
     write_atomically(os.path.join(out, "loss.png"), image.getvalue())
 
 
-def recipe_samples(args, device, run_id, recipes, prompts):
+def recipe_samples(args, device, recipes, prompts):
     """{recipe: its model's continuations of the prompts}, printed: each from its checkpoint, with the same draws."""
     tokenizer, samples = gpt2_tokenizer(), {}
     for recipe in recipes:
         with torch.random.fork_rng(devices=[]):  # initial weights, which the checkpoint's replace
             model = GPT(args.depth, recipe, max_seq_len=args.seq_len).to(device)
-        model.load_state_dict(load_checkpoint(checkpoint_path(args.out, recipe), run_id, recipe)["model"])
+        model.load_state_dict(load_checkpoint(checkpoint_path(args.out, recipe), args.run_id, recipe)["model"])
         samples[recipe] = []
         for prompt in prompts:
             tokens = torch.tensor([[EOT] + tokenizer.encode_ordinary(prompt)], device=device)  # as a document starts
@@ -642,7 +631,8 @@ def sample_run(args, device):
         raise TrainingError(f"nothing to sample: no model of {args.out} has trained a step")
     args.depth, args.seq_len, args.seed = (run["flags"][name] for name in ("depth", "seq_len", "seed"))
     args.dtype = "bfloat16" if device.type == "cuda" else run["flags"]["dtype"]
-    recipe_samples(args, device, run["run_id"], recipes, [args.sample])
+    args.run_id = run["run_id"]
+    recipe_samples(args, device, recipes, [args.sample])
 
 
 # -----------------------------------------------------------------------------
@@ -765,20 +755,20 @@ def main(argv=None):
             bytes_per_token = token_bytes(tokenizer)
             validation = validation_windows(validation, args.seq_len, args.eval_tokens // args.seq_len,
                                             args.device_batch * processes.world, bytes_per_token)
-            run_id = open_run(args, processes, fingerprint, cleanup)
+            args.out, args.run_id = processes.from_rank0(claim_run, args, processes.world, fingerprint, cleanup)
             passes = args.steps * args.batch_tokens / sum(map(len, documents(0, 0))) if args.data == "local" else 0
-            processes.log(f"run {run_id[:8]} in {args.out}, on {processes.device} x {processes.world}\npreset "
+            processes.log(f"run {args.run_id[:8]} in {args.out}, on {processes.device} x {processes.world}\npreset "
                           f"{args.preset}: depth {args.depth}, recipes {', '.join(args.recipes)}, {len(validation)} "
                           f"validation windows of {args.seq_len} tokens\n{args.steps} steps of "
                           f"{amount(args.batch_tokens)} tokens: {amount(args.steps * args.batch_tokens)} tokens per "
                           f"recipe" + (f", {passes:.2g} passes over the bundled sample" if passes else ""))
             rows = []
             for recipe in args.recipes:
-                rows.append(train_recipe(recipe, args, processes, (documents, validation, bytes_per_token), run_id))
+                rows.append(train_recipe(recipe, args, processes, (documents, validation, bytes_per_token)))
                 if rows[-1] is None:  # --stop-after
                     return
             if processes.rank == 0:
-                summarize(rows, args, run_id, processes)
+                summarize(rows, args, processes)
     except (TrainingError, ValueError, OSError) as error:  # ValueError: the model's rules; OSError: a file's
         sys.exit(f"train.py: error: {error}")
     except KeyboardInterrupt:
