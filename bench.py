@@ -673,7 +673,8 @@ def check_results(args):
 
 
 # name -> what it measures, from the docstring's list
-COMMANDS = {line.split()[2]: line.partition("# ")[2] for line in __doc__.splitlines() if "python bench.py" in line}
+COMMANDS = {line.split()[2]: line.partition("# ")[2] for line in __doc__.splitlines()
+            if line.startswith("    python bench.py ")}
 STUDY_SETS = {"--seed", "--recipe", "--out", "--resume", "--overwrite", "--stop-after", "--preset"}  # of train.py
 FLAG_RULES = [  # (the commands, whether their flags break the rule, what to say)
     ("quant", lambda a: a.size % 128 or a.size < 128 or a.batches < 2,
@@ -702,8 +703,9 @@ def parse_args(argv=None, check_paths=True):
     check_paths is False)."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     subparsers = parser.add_subparsers(dest="command", required=True)
-    quant, grad, study, training, linear, kernel, _ = (subparsers.add_parser(name, help=text).add_argument
-                                                       for name, text in COMMANDS.items())
+    flag = {name: subparsers.add_parser(name, help=text).add_argument for name, text in COMMANDS.items()}
+    quant, grad, study, training, linear, kernel = (flag[name] for name in ("quant", "grad", "study", "train",
+                                                                             "linear", "kernels"))
     gpu_there = torch.cuda.is_available()  # on a CPU grad's smaller model and fewer tokens keep it to ~10 minutes
     grad("--recipes", type=recipe_list, default="quartet2,quartet2_no46,nvidia,tetrajet2,bwd_e_sr,bwd_e_sr46")
     study("--recipes", type=recipe_list, default="bf16,quartet2,quartet2_no46,nvidia,nvidia46,tetrajet2")
