@@ -294,11 +294,10 @@ def train_recipe(recipe, args, processes, data):
             if not all(torch.isfinite(p).all() for p in model.parameters()):
                 raise TrainingError(f"[{recipe}] non-finite weights at step {step}; stopped, checkpoint kept")
             record["checkpoint"] = True  # appended once the checkpoint is written: a recipe that had one says so
-            if processes.rank == 0:
-                save_checkpoint(checkpoint_path(args.out, recipe), dict(
-                    run_id=args.run_id, recipe=recipe, step=step, model=model.state_dict(), rng=rng, history=history,
-                    adamw=optimizers[0].state_dict(), muon=optimizers[1].state_dict(), data=windows.state_dict(),
-                    record=record))
+            processes.from_rank0(save_checkpoint, checkpoint_path(args.out, recipe), dict(  # its error stops all ranks
+                run_id=args.run_id, recipe=recipe, step=step, model=model.state_dict(), rng=rng, history=history,
+                adamw=optimizers[0].state_dict(), muon=optimizers[1].state_dict(), data=windows.state_dict(),
+                record=record))
         if processes.rank == 0:
             with open(os.path.join(args.out, "metrics.jsonl"), "a") as f:
                 f.write(json.dumps(record) + "\n")

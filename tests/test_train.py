@@ -350,6 +350,18 @@ def test_two_processes_match_one_and_resume_exactly(small_data, tmp_path):
     assert json.load(open(tmp_path / "two" / "summary.json"))["world_size"] == 2
 
 
+
+@pytest.mark.slow
+def test_a_checkpoint_that_cannot_be_written_stops_every_process(small_data, tmp_path):
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
+               "train.py", *tiny_args(small_data, tmp_path, "--recipe", "bf16", "--device", "cpu", "--steps", "4")]
+    environment = dict(os.environ, OMP_NUM_THREADS="1")
+    subprocess.run(command + ["--stop-after", "1"], cwd=ROOT, check=True, capture_output=True, env=environment)
+    (tmp_path / "bf16" / "checkpoint.pt.tmp").mkdir()  # where rank 0 writes the next checkpoint
+    finished = subprocess.run(command + ["--resume"], cwd=ROOT, capture_output=True, text=True, env=environment)
+    # Rank 0 alone writes it; both ranks must stop with its error, not rank 1 go on as if it had been written
+    assert finished.returncode != 0 and finished.stderr.count("train.py: error: could not write") == 2, finished.stderr
+
 # --- errors ----------------------------------------------------------------------------------------------------------
 
 def test_divergence_stops_naming_the_step_and_keeps_the_last_good_checkpoint(small_data, tmp_path):
