@@ -164,7 +164,7 @@ EXACT_TABLES = {"results/quant.json", "results/grad.json", "results/study.json"}
 
 def test_every_number_in_a_results_table_is_in_its_file():
     # A table re-typed by hand, or left behind when its file is measured again, fails here: each number in its cells
-    # must be a value, at the precision and with the sign shown (or that value x 100 or x 1000), of the file's rows
+    # must be a value, at the precision and with the sign shown (or that value in percent), of the file's rows
     # that the line's first cell names (a recipe, say), or of any row if it names none. The tables of the files in
     # EXACT_TABLES are compared cell by cell by the tests below.
     checked = 0
@@ -183,7 +183,7 @@ def test_every_number_in_a_results_table_is_in_its_file():
                 for number in re.findall(r"[+-]?\d[\d,]*(?:\.\d+)?", " | ".join(cells)):
                     digits, shown = len(number.partition(".")[2]), number.replace(",", "")
                     form = (lambda v: f"{v:+.{digits}f}") if shown[0] in "+-" else (lambda v: f"{abs(v):.{digits}f}")
-                    assert any(form(v * scale) == shown for v in values for scale in (1, 100, 1000)), \
+                    assert any(form(v * scale) == shown for v in values for scale in (1, 100)), \
                         f"{document}: {number} in '{line}' is not in {source}"
                     checked += 1
     assert checked > 0
