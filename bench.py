@@ -31,8 +31,8 @@ import io
 import json
 import math
 import os
+import pathlib
 import shlex
-import shutil
 import subprocess
 import sys
 import time
@@ -194,20 +194,19 @@ def bench_study(args):
     def train_seed(seed):  # -> {recipe: its summary row and samples}
         out = os.path.join(args.out, f"seed{seed}")
         flags = ["--preset", args.preset, "--recipe", ",".join(args.recipes), "--seed", str(seed), "--out", out]
-        stamp = f"{out}.numerics"  # a seed's run resumes only on the numerics it began with, else starts over
+        stamp = pathlib.Path(f"{out}.numerics")  # a seed's run resumes only on the numerics it began with
         if os.path.exists(os.path.join(out, "run.json")):
-            flags += ["--resume"] if os.path.exists(stamp) and open(stamp).read() == numerics else ["--overwrite"]
-        with open(stamp, "w") as f:
-            f.write(numerics)
+            flags += ["--resume"] if stamp.exists() and stamp.read_text() == numerics else ["--overwrite"]
+        stamp.write_text(numerics)
         print(f"seed {seed}: training, log in {out}.log", flush=True)
         with open(f"{out}.log", "w") as log:
             code = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *flags, *args.train_flags],
                                   stdout=log, stderr=subprocess.STDOUT).returncode
-        last = (open(log.name).read().strip().splitlines() or ["no output"])[-1]
+        last = (pathlib.Path(log.name).read_text().strip().splitlines() or ["no output"])[-1]
         if code:
             raise ValueError(f"seed {seed} failed: {f'killed by signal {-code}' if code < 0 else last} ({log.name})")
         try:
-            summary = json.load(open(os.path.join(out, "summary.json")))
+            summary = json.loads(pathlib.Path(out, "summary.json").read_text())
         except (OSError, ValueError):
             raise ValueError(f"seed {seed} wrote no summary.json: {last} ({log.name})") from None
         return {row["recipe"]: row | dict(samples=summary["samples"][row["recipe"]]) for row in summary["rows"]}
@@ -228,8 +227,7 @@ def bench_study(args):
     print_study(rows, args.preset)
     first = os.path.join(args.out, f"seed{args.seeds[0]}")
     if args.png and os.path.exists(os.path.join(first, "metrics.jsonl")):  # the first seed's loss curves
-        train.plot(first, json.dumps(results_head(args.command_line)))
-        shutil.copyfile(os.path.join(first, "loss.png"), args.png)
+        train.plot(first, json.dumps(results_head(args.command_line)), args.png)
     return rows
 
 
@@ -240,7 +238,7 @@ def finished_seeds(args, record):
     if not os.path.exists(record):
         return {}
     try:
-        old = json.load(open(record))
+        old = json.loads(pathlib.Path(record).read_text())
     except ValueError:
         old = None
     if not (isinstance(old, dict) and str(old.get("command")).startswith("python bench.py study")):
@@ -596,14 +594,14 @@ def fingerprint():
     add(train.PRESETS, {k: v for k, v in vars(flags).items() if k in train.RUN_FLAGS}, list(order(1, 0)),
         [train.lr_multiplier(step, 100, 10, 0.2) for step in range(100)])
     for name in sorted(n for n in os.listdir(train.DATA_DIR) if n.endswith((".gz", ".tiktoken"))):  # what train reads
-        add(name, open(os.path.join(train.DATA_DIR, name), "rb").read())
+        add(name, pathlib.Path(train.DATA_DIR, name).read_bytes())
     return "numerics " + digest.hexdigest()[:16]
 
 
 def source_fingerprint(path=os.path.join(ROOT, "kernels.py")):
     """A hash of a source file's code without its comments, docstrings and blank lines: what compiled builds depend on.
     It hashes text, not the syntax tree, whose printed form changes between Python versions."""
-    source = open(path).read()
+    source = pathlib.Path(path).read_text()
     lines = source.splitlines()
     for token in tokenize.generate_tokens(io.StringIO(source).readline):
         if token.type == tokenize.COMMENT:
@@ -646,7 +644,7 @@ def stale_results(directory=os.path.join(ROOT, "results")):
     for name in sorted(os.listdir(directory)):
         path, png = os.path.join(directory, name), name.endswith(".png")
         try:
-            data = json.loads(png_description(path) or "null") if png else json.load(open(path))
+            data = json.loads(png_description(path) or "null") if png else json.loads(pathlib.Path(path).read_text())
         except (ValueError, OSError):  # OSError: not an image PIL can read
             stale.append(f"{name}: not a results file (JSON, or a PNG with it in its metadata)")
             continue

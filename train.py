@@ -331,9 +331,13 @@ def setup_recipe(recipe, documents, args, processes):
     if checkpoint:
         for part, state in ((model, "model"), (adamw, "adamw"), (muon, "muon")):
             part.load_state_dict(checkpoint[state])
-        torch.set_rng_state(checkpoint["rng"][processes.rank]["cpu"])
+        rng = checkpoint["rng"][processes.rank]
+        if (rng["cuda"] is None) != (device.type != "cuda"):  # a GPU's random state cannot be restored on a CPU
+            where = "the CPU" if rng["cuda"] is None else "a GPU"
+            raise TrainingError(f"[{recipe}] its checkpoint was written on {where}: resume it there, or start over")
+        torch.set_rng_state(rng["cpu"])
         if device.type == "cuda":
-            torch.cuda.set_rng_state(checkpoint["rng"][processes.rank]["cuda"], device)
+            torch.cuda.set_rng_state(rng["cuda"], device)
         processes.log(f"[{recipe}] resumed at step {start}")
     if processes.rank == 0:  # it writes its records after the checkpoint again; partial lines go too
         kept = [r for r in records if r["recipe"] != recipe or checkpoint and r["step"] < start]
@@ -459,12 +463,11 @@ def read_run(out, purpose):
     """OUT/run.json, to resume or sample its run: the run's id, the flags that define it, its data's fingerprint."""
     if not os.path.isfile(path := os.path.join(out, "run.json")):
         raise TrainingError(f"nothing to {purpose}: {path} not found (name the run's directory with --out)")
-    try:
+    with contextlib.suppress(ValueError, AttributeError, KeyError):  # not JSON, or not a run's
         run = json.loads(pathlib.Path(path).read_text())
-        assert isinstance(run.get("run_id"), str) and {"depth", "seq_len", "dtype", "seed"} <= run["flags"].keys()
-        return run
-    except (ValueError, AttributeError, AssertionError, KeyError):
-        raise TrainingError(f"{path} is not a run.json of train.py; restore it, or --overwrite the run") from None
+        if isinstance(run.get("run_id"), str) and {"depth", "seq_len", "dtype", "seed"} <= run["flags"].keys():
+            return run
+    raise TrainingError(f"{path} is not a run.json of train.py; restore it, or --overwrite the run")
 
 
 def make_latest(out):
@@ -531,7 +534,7 @@ def load_checkpoint(path, run_id=None, recipe=None):
 def read_metrics(out):
     """The records of OUT/metrics.jsonl; a line that is not one (a crash while writing) is skipped."""
     path, records = os.path.join(out, "metrics.jsonl"), []
-    for line in open(path, errors="replace").readlines() if os.path.exists(path) else []:
+    for line in pathlib.Path(path).read_text(errors="replace").splitlines() if os.path.exists(path) else []:
         with contextlib.suppress(ValueError, AttributeError):
             record = json.loads(line)
             if all(isinstance(record.get(key), kind) for key, kind in dict(recipe=str, step=int, loss=float).items()):
@@ -581,8 +584,8 @@ def pyplot():
         print("matplotlib is not installed: no plot (pip install matplotlib)")
 
 
-def plot(out, provenance):
-    """Training loss and validation bpb per recipe to OUT/loss.png, the run named in the image's metadata."""
+def plot(out, provenance, path=None):
+    """Training loss and validation bpb per recipe to path (else OUT/loss.png), the run named in its metadata."""
     if (plt := pyplot()) is None:
         return
     records, (figure, axes) = read_metrics(out), plt.subplots(1, 2, figsize=(11, 4))
@@ -597,7 +600,7 @@ def plot(out, provenance):
     figure.tight_layout()
     figure.savefig(image := io.BytesIO(), format="png", dpi=120, metadata={"Description": provenance})
     plt.close(figure)
-    write_atomically(os.path.join(out, "loss.png"), image.getvalue())
+    write_atomically(path or os.path.join(out, "loss.png"), image.getvalue())
 
 
 def recipe_samples(args, device, recipes, prompts):

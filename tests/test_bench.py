@@ -1,6 +1,7 @@
 """bench.py's comparison commands: gradient concentration (the paper's Figure 9) and the study of recipes x seeds."""
 
 import json
+import shlex
 import shutil
 
 import pytest
@@ -28,8 +29,12 @@ def test_study_trains_every_seed_and_keeps_its_record(small_data, tmp_path):
     flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "3",
              "--eval-every", "3", "--eval-tokens", "512", "--data-dir", small_data]
     argv = ["study", "--preset", "tiny", "--recipes", "bf16,quartet2,nvidia", "--seeds", "0", "1", "--parallel", "2",
-            "--out", str(tmp_path / "study"), "--json", str(tmp_path / "study.json"), "--", *flags]
+            "--out", str(tmp_path / "study"), "--json", str(tmp_path / "study.json"), "--png", str(tmp_path / "l.png"),
+            "--", *flags]
     rows = bench.main(argv)
+    study_png = json.loads(bench.png_description(str(tmp_path / "l.png")))
+    assert study_png["command"] == "python bench.py " + shlex.join(argv)
+    assert "train.py run" in bench.png_description(str(tmp_path / "study" / "seed0" / "loss.png"))  # the seed's own
     summaries = [json.load(open(tmp_path / "study" / f"seed{s}" / "summary.json"))["rows"] for s in (0, 1)]
     by_recipe = {r["recipe"]: r for r in rows}
     bpb = [{r["recipe"]: r["val_bpb"] for r in summary} for summary in summaries]

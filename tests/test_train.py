@@ -329,6 +329,16 @@ def test_a_damaged_checkpoint_is_refused(small_data, tmp_path):
                               expected, str(path))
 
 
+def test_a_checkpoint_from_the_other_kind_of_device_is_refused(small_data, tmp_path):
+    assert run(tiny_args(small_data, tmp_path, "--steps", "2", "--recipe", "bf16")) is None
+    state = checkpoint(tmp_path, "bf16")
+    rng = state["rng"][0]  # made to look written on the other kind: a GPU's random state cannot be set on a CPU
+    rng["cuda"] = torch.zeros(16, dtype=torch.uint8) if rng["cuda"] is None else None
+    train.save_checkpoint(str(tmp_path / "bf16" / "checkpoint.pt"), state)
+    assert_one_line_error(run(tiny_args(small_data, tmp_path, "--steps", "3", "--recipe", "bf16", "--resume")),
+                          "its checkpoint was written on", "resume it there")
+
+
 @pytest.mark.slow
 def test_two_processes_match_one_and_resume_exactly(small_data, tmp_path):
     def launch(out, *extra, processes=1):
