@@ -24,10 +24,16 @@ def test_grad_measures_the_concentration_of_every_layer_and_gradient(tmp_path):
             assert row["errors"][-1] < row["errors"][0] / 4, row
 
 
+def tiny_study_flags(data_dir, steps, *extra):
+    """train.py's flags for a study's seeds: a depth-2 GPT for a few steps, two-token samples (each token is a whole
+    forward pass, interpreted for a quantized recipe)."""
+    return ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", str(steps),
+            "--eval-tokens", "512", "--sample-tokens", "2", "--data-dir", data_dir, *extra]
+
+
 @pytest.mark.slow
 def test_study_trains_every_seed_and_keeps_its_record(small_data, tmp_path):
-    flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "3",
-             "--eval-every", "3", "--eval-tokens", "512", "--data-dir", small_data]
+    flags = tiny_study_flags(small_data, 3, "--eval-every", "3")
     argv = ["study", "--preset", "tiny", "--recipes", "bf16,quartet2,nvidia", "--seeds", "0", "1", "--parallel", "2",
             "--out", str(tmp_path / "study"), "--json", str(tmp_path / "study.json"), "--png", str(tmp_path / "l.png"),
             "--", *flags]
@@ -52,8 +58,7 @@ def test_study_trains_every_seed_and_keeps_its_record(small_data, tmp_path):
 
 
 def test_a_failed_seed_keeps_the_seeds_that_finished(small_data, tmp_path):
-    flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "2",
-             "--eval-tokens", "512", "--data-dir", small_data]
+    flags = tiny_study_flags(small_data, 2)
     (tmp_path / "study").mkdir()
     (tmp_path / "study" / "seed1").write_text("not a run directory")  # seed 1's train.py refuses it
     argv = ["study", "--preset", "tiny", "--recipes", "bf16", "--seeds", "1", "0", "--out", str(tmp_path / "study"),
@@ -64,8 +69,7 @@ def test_a_failed_seed_keeps_the_seeds_that_finished(small_data, tmp_path):
 
 
 def test_a_seed_begun_on_other_numerics_starts_over_and_a_record_keeps_its_recipes(small_data, tmp_path):
-    flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "2",
-             "--eval-tokens", "512", "--data-dir", small_data, "--keep-checkpoints"]
+    flags = tiny_study_flags(small_data, 2, "--keep-checkpoints")
     study = ["study", "--preset", "tiny", "--recipes", "bf16,fwd_1x16", "--seeds", "0", "--out",
              str(tmp_path / "study"), "--json", str(tmp_path / "study.json"), "--", *flags]
     bench.main(study)
@@ -81,8 +85,7 @@ def test_a_seed_begun_on_other_numerics_starts_over_and_a_record_keeps_its_recip
 
 
 def test_study_refuses_a_seed_trained_with_other_flags(small_data, tmp_path):
-    flags = ["--depth", "2", "--seq-len", "64", "--device-batch", "2", "--batch-tokens", "256", "--steps", "2",
-             "--eval-tokens", "512", "--data-dir", small_data]
+    flags = tiny_study_flags(small_data, 2)
     study = ["study", "--preset", "tiny", "--recipes", "bf16", "--seeds", "0", "--out", str(tmp_path)]
     bench.main(study + ["--"] + flags)
     with pytest.raises(SystemExit, match="cannot change flags that define the run: --lr-matrix"):

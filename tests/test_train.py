@@ -166,7 +166,8 @@ def test_amounts_read_at_every_size():
 
 
 def test_sampling_a_resumed_run_gives_what_the_finished_run_gave(small_data, tmp_path, capsys):
-    common = ("--steps", "2", "--recipe", "bf16,quartet2", "--sample-tokens", "4")
+    # --deterministic: on a GPU two runs differ in the embedding's last bits without it (atomic additions)
+    common = ("--steps", "2", "--recipe", "bf16,quartet2", "--sample-tokens", "4", "--deterministic")
     assert run(tiny_args(small_data, tmp_path / "straight", *common)) is None
     assert run(tiny_args(small_data, tmp_path / "resumed", *common, "--stop-after", "1")) is None
     assert run(tiny_args(small_data, tmp_path / "resumed", *common, "--resume")) is None
