@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 
@@ -159,7 +160,7 @@ def tables_with_their_files(path):
     return pairs
 
 
-EXACT_TABLES = {"results/quant.json", "results/grad.json", "results/study.json"}
+EXACT_TABLES = {"results/quant.json", "results/grad.json", "results/study.json", "results/d12.json"}
 
 
 def test_every_number_in_a_results_table_is_in_its_file():
@@ -205,6 +206,33 @@ def test_the_readme_quantizer_and_gradient_tables_are_their_files():
         expected.append(f"| {recipe} | {' | '.join(cells)} |")
     readme = open(os.path.join(bench.ROOT, "README.md")).read().splitlines()
     assert [line for line in expected if line not in readme] == []
+
+
+def headline(rows):
+    """The README's headline table rows and its samples, as the d12 study's record gives them: per recipe the mean
+    over seeds of bpb and tokens/s, Quartet II's gap as mean ± std [95% interval], and the first seed's samples (the
+    seed the loss plot shows)."""
+    by_recipe = {row["recipe"]: row for row in rows}
+    mean = {(r, key): statistics.fmean(run[key] for run in by_recipe[r]["runs"].values())
+            for r in ("bf16", "quartet2") for key in ("val_bpb", "tokens_per_s")}
+    gap = by_recipe["quartet2"]["gap_pct"]
+    table = [f"| bf16 | {mean['bf16', 'val_bpb']:.4f} | | {mean['bf16', 'tokens_per_s']:,.0f} | |",
+             f"| **quartet2** | {mean['quartet2', 'val_bpb']:.4f} | {gap['mean']:+.2f}% ± {gap['std']:.2f}% "
+             f"[{gap['interval'][0]:+.2f}, {gap['interval'][1]:+.2f}] | {mean['quartet2', 'tokens_per_s']:,.0f} | "
+             f"{mean['quartet2', 'tokens_per_s'] / mean['bf16', 'tokens_per_s']:.2f}x |"]
+    first = str(by_recipe["bf16"]["seeds"][0])
+    return table, [" ".join(by_recipe[r]["runs"][first]["samples"][0].split()) for r in ("bf16", "quartet2")]
+
+
+def test_the_readme_headline_is_its_file():
+    readme = open(os.path.join(bench.ROOT, "README.md")).read()
+    command = "python bench.py study --preset d12 --recipes bf16,quartet2 --seeds 0 1 2"
+    if not os.path.exists(os.path.join(bench.ROOT, "results", "d12.json")):  # then the README says it is to measure
+        assert "is still to be measured" in readme and command in " ".join(readme.split())
+        return
+    table, samples = headline(results_rows("d12.json"))
+    assert [line for line in table if line not in readme.splitlines()] == []
+    assert all(sample in " ".join(readme.split()) for sample in samples) and "results/d12_loss.png" in readme
 
 
 def test_the_readme_comparison_table_is_its_file():
