@@ -311,11 +311,11 @@ def print_study(rows, preset):
     print(f"\npreset {preset}, {len(seeds)} seed(s) {seeds}: final validation bpb (mean over seeds), gap to BF16 and "
           f"bpb minus quartet2's per seed (mean [95% interval]; resolved if the interval excludes 0)")
     print(f"{'recipe':<15}{'bpb':>8}{'gap to bf16':>26}{'minus quartet2':>34}{'quartet2 lower in':>19}")
-    interval = lambda p, f: f"{p['mean']:{f}}" + (f" [{p['interval'][0]:{f}}, {p['interval'][1]:{f}}]"
-                                                  if p["interval"] else "")
+    interval = lambda p, f, unit="": f"{p['mean']:{f}}{unit}" + (f" [{p['interval'][0]:{f}}, {p['interval'][1]:{f}}]"
+                                                             if p["interval"] else "")
     for row in rows:
         mean_bpb = sum(run["val_bpb"] for run in row["runs"].values()) / len(seeds)
-        gap = interval(row["gap_pct"], "+.2f") + "%" if "gap_pct" in row else ""
+        gap = interval(row["gap_pct"], "+.2f", "%") if "gap_pct" in row else ""
         versus = row["versus"].get("quartet2")
         difference = interval(versus, "+.4f") + (" resolved" if versus["resolved"] else "") if versus else ""
         lower = f"{by_recipe['quartet2']['versus'][row['recipe']]['lower_in']}/{len(seeds)}" if versus else ""
