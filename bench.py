@@ -202,7 +202,7 @@ def bench_study(args):
         with open(f"{out}.log", "w") as log:
             code = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *flags, *args.train_flags],
                                   stdout=log, stderr=subprocess.STDOUT).returncode
-        last = (pathlib.Path(log.name).read_text().strip().splitlines() or ["no output"])[-1]
+        last = (pathlib.Path(log.name).read_text(errors="replace").strip().splitlines() or ["no output"])[-1]
         if code:
             raise ValueError(f"seed {seed} failed: {f'killed by signal {-code}' if code < 0 else last} ({log.name})")
         try:
