@@ -21,19 +21,19 @@ Gaussian data is 23.5e-3, against 9.0e-3 for round-to-nearest (RTN). MS-EDEN is 
 
        S = <y, y> / <y, y_hat>.
 
-   EDEN (Vargaftik et al., 2022) shows that for a random rotation, S * y_hat is an unbiased estimate of y: the
-   component of y_hat along y is scaled to exactly |y|, and by symmetry of the random rotation everything
-   orthogonal to y averages out to zero. The codes are untouched; only the group scale changes, g -> g * S.
+   EDEN (Vargaftik et al., 2022) shows that over the random rotation, S * y_hat rotated back is unbiased for x:
+   its component along y is scaled to exactly |y|, and by the symmetry of the random rotation everything orthogonal
+   to y averages out to zero. The codes are untouched; only the group scale changes, g -> g * S.
 
 3. MS ("micro-scaled"): g * S must be stored as an E4M3 number. Rounding it to nearest would bring the bias back,
    so it is rounded stochastically to one of its two E4M3 neighbours, which is unbiased. This is the whole trick:
    the randomness moves from sixteen 4-bit elements (steps of 1/3 to 1/2 of the value) to one 8-bit scale (steps of
    1/8 to 1/16 of it), which is why the error is so much lower than SR's.
 
-4. The NVFP4 constants. The group maximum maps to fp4_max = 6 * (16/17) / 0.93 ~= 6.07: slightly past 6, so the very
-   largest values clip a little (it lowers the error, and the correction S absorbs the lost length on average).
-   Group scales then leave headroom below E4M3's 448 for S: the tensor scale maps the largest corrected scale to
-   fp8_max = 256.
+4. The NVFP4 constants, the paper's. The group maximum maps to fp4_max = 6 * (16/17) / 0.93 ~= 6.07, past 6: the
+   largest values clip a little, which lowers the error (S restores the lost length on average). The tensor scale
+   maps the largest corrected scale to fp8_max = 256, not E4M3's 448: headroom for S if the tensor scale came first.
+   Here it comes after S (below), so 256 ... 448 stays unused, at no cost: E4M3's relative step is the same there.
 
 Step by step, for x with a last dimension that is a multiple of 128:
 
@@ -110,7 +110,7 @@ def check_signs(signs, n=None):
 
 
 def _rotate(x, signs, inverse, what):
-    """x * diag(s) * H (or, inverse, x * H * diag(s)) on each len(signs)-chunk of the last dimension, in FP32 as
+    """x * diag(s) * H128 (or, inverse, x * H128 * diag(s)) on each len(signs)-chunk of the last dimension, in FP32 as
     the kernels compute it: a sum of +-x (exact products), then one multiplication by 1/sqrt(n)."""
     check_signs(signs)
     n = signs.numel()
@@ -126,12 +126,12 @@ def _rotate(x, signs, inverse, what):
 
 
 def rht(x, signs):
-    """x * diag(s) * H on each len(signs)-chunk of the last dimension (FP32; beyond +-ROTATION_LIMIT saturated)."""
+    """x * diag(s) * H128 on each len(signs)-chunk of the last dimension (FP32; beyond +-ROTATION_LIMIT saturated)."""
     return _rotate(x, signs, inverse=False, what="rht")
 
 
 def inverse_rht(y, signs):
-    """Undo rht: y * H * diag(s) (H is symmetric and orthogonal)."""
+    """Undo rht: y * H128 * diag(s) (H128, or H_n for n signs, is symmetric and orthogonal)."""
     return _rotate(y, signs, inverse=True, what="inverse_rht")
 
 
@@ -201,7 +201,7 @@ def demo(x, batch_sizes=(1, 4, 16, 64, 256), generator=None):
         print(f"{b:>5}" + "".join(f"{1e3 * curve[b]:>22.3f}" for curve in curves.values()))
     undone = relative_error(inverse_rht(rht(x, signs := random_signs(generator=generator)), signs), x)
     print(f"Round to nearest keeps its error (deterministic: a bias). SR and MS-EDEN are unbiased: theirs falls like "
-          f"1 / B,\nMS-EDEN's 2.5x lower. The rotation undone: relative error {undone:.0e} (FP32 round-off).")
+          f"1 / B,\nMS-EDEN's 2.5x lower. The rotation undone: relative error {undone:.0e} (FP32 round-off, squared).")
     return curves
 
 

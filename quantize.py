@@ -7,9 +7,9 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
        code  0    1    2    3    4    5    6    7
        value 0   0.5   1   1.5   2    3    4    6
 
-   and bit 3 of the code is the sign. Between 1 and 2 the step is 0.5, between 2 and 4 it is 1, between 4 and 6
-   it is 2; below 1 the step stays 0.5 ("subnormals"). Two codes share a byte: the even-index element in the low
-   nibble, the odd one in the high nibble (what torch.float4_e2m1fn_x2 and cuBLAS expect).
+   and bit 3 of the code is the sign ("code" in the formulas below: its signed value). Between 1 and 2 the step is
+   0.5, between 2 and 4 it is 1, between 4 and 6 it is 2; below 1 the step stays 0.5 ("subnormals"). Two codes share
+   a byte: the even-index element in the low nibble, the odd one in the high (as torch.float4_e2m1fn_x2 and cuBLAS).
 
 2. Why scales, and why two levels
    Eight magnitudes cannot cover the range of real tensors, so values are stored divided by a scale. A scale per
@@ -24,7 +24,7 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
    - tensor_scale: one FP32 per tensor that shifts every group scale into E4M3's range.
 
 3. Round-to-nearest quantization (RTN), given fp4_max (the grid value the group maximum maps to) and fp8_max (the
-   largest group scale allowed):
+   group scale of the group that holds the tensor's maximum):
 
        tensor_scale = amax(|x|) / (fp8_max * fp4_max)                  (1 if x is all zero: section 6)
        group_scale  = E4M3_round(group_amax * (1 / (fp4_max * tensor_scale)))  (1 if that rounds to 0)
@@ -33,8 +33,8 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
    Every rounding here is to nearest, ties to even. Scales are applied as reciprocals, multiplied rather than
    divided by, as GPU kernels do (a correctly rounded division costs a GPU many instructions; the two can differ in
    the last bit).
-   Rounding the group scale can shrink it by up to a factor 16/17, which pushes the group maximum a little past
-   fp4_max; with fp4_max = 6 it saturates at 6.
+   Rounding a normal group scale (2^-6 or more) can shrink it by up to 16/17, which pushes the group maximum a
+   little past fp4_max; with fp4_max = 6 it saturates at 6.
 
 4. Variants
    - Stochastic rounding (SR): round each x / (group_scale * tensor_scale) up or down to its two grid neighbours,
@@ -62,10 +62,11 @@ The NVFP4 format: 4-bit floats with two levels of scale. Pure PyTorch, written t
    kernels multiply by 1 / (group_scale * tensor_scale), which must stay finite: group scales are at least 2^-9
    (E4M3's smallest step), so the tensor scale must be at least MIN_TENSOR_SCALE = 2^-126 / 2^-9 = 2^-117 (2^-126:
    FP32's smallest normal number). A tensor whose absolute maximum is below MIN_TENSOR_SCALE * fp8_max * fp4_max
-   (about 2^-106 = 1e-32 for RTN) gets the tensor scale 1 and quantizes to zeros, as an all-zero tensor does.
+   (about 2^-106 = 1e-32 for RTN) gets the tensor scale 1 and quantizes to zeros, as an all-zero tensor does. A group
+   under 2^-6 / fp8_max of the tensor's maximum gets a subnormal E4M3 scale, which rounding can shrink by more than
+   16/17: SR then clips that group's largest values, a bias.
 
-Reading order below: rounding to a small float grid, codes and packing, the NVFP4Tensor container, the quantizer,
-and a worked example that runs as `python quantize.py`.
+Below: rounding to a small float grid, codes and packing, NVFP4Tensor, the quantizer, python quantize.py's example.
 """
 
 from dataclasses import dataclass
@@ -298,7 +299,7 @@ def quantize_nvfp4(x, rounding="rtn", four_over_six=False, block="1x16", fp4_max
 
     rounding: "rtn" (nearest) or "sr" (stochastic, unbiased if nothing clips; use fp4_max = 6*16/17 for that).
     four_over_six: per group, keep the better of mapping the maximum to fp4_max or to fp4_max * 4/6.
-    fp8_max: the largest group scale; 448, or 256 with four_over_six (headroom for its 1.5x larger scales).
+    fp8_max: the largest group's scale; 448, or 256 with four_over_six (headroom for its 1.5x larger scales).
     """
     fp8_max = default_fp8_max(four_over_six) if fp8_max is None else fp8_max
     check_quantizer(rounding, block, fp4_max, fp8_max, four_over_six)
@@ -334,8 +335,7 @@ def relative_error(estimate, x):  # ||estimate - x||^2 / ||x||^2 in FP64: the pa
 def worked_example(x):
     """Section 3 by hand on the first group of x [R, C], printed step by step; returns what quantize_nvfp4 stores for
     it (the tests check they are the same): tensor_scale, group_scale, codes, dequantized values."""
-    tensor_scale = tensor_scale_for(x.abs().amax(), E4M3_MAX * E2M1_MAX)
-    group = x[0, :GROUP].float()
+    tensor_scale, group = tensor_scale_for(x.abs().amax(), E4M3_MAX * E2M1_MAX), x[0, :GROUP].float()
     unrounded = group.abs().amax() * (1 / (E2M1_MAX * tensor_scale))
     group_scale = e4m3_round(unrounded)
     scaled = group * (1 / (group_scale * tensor_scale))
@@ -344,9 +344,9 @@ def worked_example(x):
           f"  tensor scale ts = amax(|x|) / (448 * 6) = {x.abs().max():.3f} / 2688 = {tensor_scale:.4g} (FP32)\n"
           f"  group scale gs = E4M3(amax(|group|) / (6 * ts)) = E4M3({unrounded:.2f}) = {group_scale:g} (8 bits)")
     for name, t in (("x", group), ("x / (gs * ts)", scaled), ("nearest E2M1", e2m1_round(scaled)),
-                    ("4-bit code", codes.float()), ("code * gs * ts", dequantized)):
+                    ("4-bit code", codes.float()), ("E2M1 * gs * ts", dequantized)):
         print(f"  {name:<18}" + "".join(f"{v:6.0f}" if name == "4-bit code" else f"{v:6.2f}" for v in t.tolist()))
-    print(f"  relative error ||x - q(x)||^2 / ||x||^2 of this group: {relative_error(dequantized, group):.4f}")
+    print(f"  its relative error ||x - q(x)||^2 / ||x||^2: {1e3 * relative_error(dequantized, group):.2f} x 1e-3")
     return tensor_scale, group_scale, codes, dequantized
 
 
@@ -354,12 +354,12 @@ def compare_roundings(x, draws=64, generator=None):
     """Each rounding's error on x, and the error of the mean of `draws` quantizations: a deterministic quantizer's
     error is all bias and does not fall; an unbiased one's falls like 1 / draws. Returns {name: (one, mean)}."""
     errors = {}
-    print(f"Relative error x 1e-3 on a {x.shape[0]} x {x.shape[1]} N(0, 1) tensor: once, the mean of {draws} times")
+    print(f"Relative error x 1e-3 on a {x.shape[0]} x {x.shape[1]} N(0, 1) tensor\n{'once':>29}  mean of {draws}")
     for name, options in (("round to nearest", {}), ("four-over-six", dict(four_over_six=True)),
                           ("stochastic rounding", dict(rounding="sr", fp4_max=SR_FP4_MAX))):
         estimates = [quantize_nvfp4(x, generator=generator, **options).dequantize(torch.float64) for _ in range(draws)]
         errors[name] = one, mean = relative_error(estimates[0], x), relative_error(sum(estimates) / draws, x)
-        print(f"  {name:<20}{1e3 * one:7.2f}{1e3 * mean:7.2f}  " + ("unbiased: its noise averages out" if mean < one / 2
+        print(f"  {name:<20}{1e3 * one:7.2f}{1e3 * mean:12.2f} " + ("unbiased: its noise averages out" if mean < one / 2
                                                                     else "deterministic: its error is all bias"))
     return errors
 
