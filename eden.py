@@ -97,14 +97,14 @@ def random_signs(n=HADAMARD, generator=None, device=None):
 
 
 def check_signs(signs, n=None):
-    """Raise a ValueError unless signs is a 1-D tensor of +-1 whose length is n (or, without n, a power of two up
+    """Raise a ValueError unless signs is a 1-D tensor of +-1 whose length is n (or, without n, a power of two from 2
     to 128)."""
     if not isinstance(signs, torch.Tensor) or signs.dim() != 1 or not signs.is_floating_point() or signs.is_meta:
         raise ValueError(f"signs must be a 1-D float tensor of +-1 with data, got {getattr(signs, 'dtype', signs)} "
                          f"{tuple(getattr(signs, 'shape', ()))}")
     length = signs.numel()
     if (length != n) if n else (length < 2 or length > HADAMARD or length & (length - 1)):
-        raise ValueError(f"signs must have {n or 'a power of two up to 128'} entries, got {length}")
+        raise ValueError(f"signs must have {n or 'a power of two from 2 to 128'} entries, got {length}")
     if not signs.is_cuda and not (signs.abs() == 1).all():  # on a GPU this check would wait for the device
         raise ValueError("signs must hold only +1 and -1")
 
