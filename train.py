@@ -331,12 +331,12 @@ def setup_recipe(recipe, documents, args, processes):
     if checkpoint:
         for part, state in ((model, "model"), (adamw, "adamw"), (muon, "muon")):
             part.load_state_dict(checkpoint[state])
-        rng = checkpoint["rng"][processes.rank]
-        if (rng["cuda"] is None) != (device.type != "cuda"):  # a GPU's random state cannot be restored on a CPU
-            where = "the CPU" if rng["cuda"] is None else "a GPU"
+        rng, on_gpu = checkpoint["rng"][processes.rank], device.type == "cuda"
+        if (rng["cuda"] is not None) != on_gpu:  # a GPU's random state cannot be restored on a CPU, nor the reverse
+            where = "a GPU" if rng["cuda"] is not None else "the CPU"
             raise TrainingError(f"[{recipe}] its checkpoint was written on {where}: resume it there, or start over")
         torch.set_rng_state(rng["cpu"])
-        if device.type == "cuda":
+        if on_gpu:
             torch.cuda.set_rng_state(rng["cuda"], device)
         processes.log(f"[{recipe}] resumed at step {start}")
     if processes.rank == 0:  # it writes its records after the checkpoint again; partial lines go too
