@@ -119,7 +119,9 @@ def captured_layers(args, device):
     for layer in layers.values():
         layer.register_forward_hook(capture)
     gpt(tokens[:, :-1], tokens[:, 1:]).backward()
-    return [(name, captured[layer][0], layer.weight.detach(), captured[layer][1]) for name, layer in layers.items()]
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32  # a GPU's kernels take BF16, as under autocast
+    return [(name, *(t.to(dtype) for t in (captured[layer][0], layer.weight.detach(), captured[layer][1])))
+            for name, layer in layers.items()]
 
 
 def forward_operand(t, q):

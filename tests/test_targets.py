@@ -196,8 +196,8 @@ def test_native_gemm_on_blackwell_only():
     device = torch.device("cuda")
     if not kernels.native_fp4_available(device):
         pytest.skip("no FP4 tensor cores on this GPU (the arguments are checked by the simulation above)")
-    a = kernels.triton_quantize(torch.randn(256, 512, device=device))
-    b = kernels.triton_quantize(torch.randn(384, 512, device=device))
+    a = kernels.triton_quantize(torch.randn(256, 512, device=device, dtype=torch.bfloat16))
+    b = kernels.triton_quantize(torch.randn(384, 512, device=device, dtype=torch.bfloat16))
     out = kernels.nvfp4_mm(a, b).double().cpu()
     reference = a.dequantize().double().cpu() @ b.dequantize().double().cpu().t()
     assert ((out - reference).norm() / reference.norm()).item() < 2 ** -8
