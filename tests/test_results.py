@@ -160,7 +160,8 @@ def tables_with_their_files(path):
     return pairs
 
 
-EXACT_TABLES = {"results/quant.json", "results/grad.json", "results/study.json", "results/d12.json"}
+EXACT_TABLES = {"results/quant.json", "results/grad.json", "results/study.json", "results/d12.json",
+                "results/ablations.json"}
 
 
 def test_every_number_in_a_results_table_is_in_its_file():
@@ -252,3 +253,48 @@ def test_the_readme_comparison_table_is_its_file():
                         f"{rows['quartet2']['versus'][recipe]['lower_in']} of {seeds} |{reduction}|")
     readme = open(os.path.join(bench.ROOT, "README.md")).read().splitlines()
     assert [line for line in expected if line not in readme] == []
+
+
+ABLATION_PAIRS = (("fwd_1x16", "fwd_1x16_46"), ("fwd_16x16", "fwd_16x16_46"), ("fwd_16x16", "fwd_1x16"),
+                  ("bwd_a_sr", "bwd_a_eden"), ("bwd_c_sr", "bwd_c_eden"), ("bwd_e_sr", "bwd_e_eden"))
+ABLATIONS = "bf16," + ",".join(dict.fromkeys(r for pair in ABLATION_PAIRS for r in pair))
+
+
+def ablation_tables(rows):
+    """The README's ablation rows, as the study's record gives them: per recipe its gap to BF16 (mean [95% interval]),
+    and per pair the first's bpb minus the second's, x 10^-3, paired by seed, with how often the second is lower."""
+    by_recipe, seeds = {row["recipe"]: row for row in rows}, len(rows[0]["seeds"])
+    gaps = []
+    for recipe in ABLATIONS.split(",")[1:]:
+        gap = by_recipe[recipe]["gap_pct"]
+        gaps.append(f"| {recipe} | {gap['mean']:+.2f}% [{gap['interval'][0]:+.2f}, {gap['interval'][1]:+.2f}] |")
+    pairs = []
+    for first, second in ABLATION_PAIRS:
+        difference = by_recipe[first]["versus"][second]
+        low, high = (1e3 * end for end in difference["interval"])
+        pairs.append(f"| {first} - {second} | {1e3 * difference['mean']:+.2f} [{low:+.2f}, {high:+.2f}] | "
+                     f"{'yes' if difference['resolved'] else 'no'} | {by_recipe[second]['versus'][first]['lower_in']} "
+                     f"of {seeds} |")
+    return gaps, pairs
+
+
+def test_the_ablation_tables_read_a_study():
+    # 4/6 lowers bpb by 0.001 in every seed, while the seed moves every recipe together: resolved, lower in 3 of 3
+    recipes = ABLATIONS.split(",")
+    runs = {seed: {r: dict(val_bpb=1.0 + shift + 0.002 * (r != "bf16") - 0.001 * r.endswith("_46")) for r in recipes}
+            for seed, shift in ((0, 0.0), (1, 0.01), (2, -0.02))}
+    gaps, pairs = ablation_tables(bench.study_rows(runs, recipes))
+    assert len(gaps) == 10 and gaps[1].startswith("| fwd_1x16_46 | +0.10% [")
+    assert pairs[0] == "| fwd_1x16 - fwd_1x16_46 | +1.00 [+1.00, +1.00] | yes | 3 of 3 |"
+    assert pairs[2] == "| fwd_16x16 - fwd_1x16 | +0.00 [+0.00, +0.00] | no | 0 of 3 |"
+
+
+def test_the_readme_ablation_tables_are_their_file():
+    readme = open(os.path.join(bench.ROOT, "README.md")).read()
+    command = f"python bench.py study --recipes {ABLATIONS} --seeds 0 1 2 3 4"
+    assert command in " ".join(readme.split())
+    if not os.path.exists(os.path.join(bench.ROOT, "results", "ablations.json")):  # then the README says so
+        assert "they are still to be measured" in readme
+        return
+    gaps, pairs = ablation_tables(results_rows("ablations.json"))
+    assert [line for line in gaps + pairs if line not in readme.splitlines()] == []
