@@ -24,6 +24,20 @@ def test_grad_measures_the_concentration_of_every_layer_and_gradient(tmp_path):
             assert row["errors"][-1] < row["errors"][0] / 4, row
 
 
+def test_grad_measures_no_growth_where_a_gradient_is_not_quantized(monkeypatch, tmp_path):
+    # On a GPU the layers are captured in BF16, and an unquantized gradient's BF16 GEMM is off by ~1e-6, the same in
+    # every pass: its "growth" would read B, as if biased. It is exact by construction, so none is measured.
+    captured = bench.captured_layers
+    monkeypatch.setattr(bench, "captured_layers", lambda args, device: [
+        (name, *(t.to(torch.bfloat16) for t in tensors)) for name, *tensors in captured(args, device)])
+    rows = bench.main(["grad", "--recipes", "fwd_1x16,bwd_a_sr", "--depth", "2", "--tokens", "256", "--seq-len", "128",
+                       "--batches", "4", "--png", str(tmp_path / "c.png")])
+    growth = {(r["recipe"], r["gradient"]): r["growth"] for r in rows}
+    assert growth[("fwd_1x16", "dX")] is growth[("fwd_1x16", "dW")] is growth[("bwd_a_sr", "dX")] is None
+    assert growth[("bwd_a_sr", "dW")] is not None
+    assert all(r["errors"][0] > 0 for r in rows if r["recipe"] == "fwd_1x16")  # the BF16 rounding, not exact
+
+
 def tiny_study_flags(data_dir, steps, *extra):
     """train.py's flags for a study's seeds: a depth-2 GPT for a few steps, two-token samples (each token is a whole
     forward pass, interpreted for a quantized recipe)."""
