@@ -156,8 +156,8 @@ def bench_grad(args):
                     total += grad.double()
                 if b in batches:
                     errors[b] = [relative_error(total / b, g) for total, g in zip(sums, exact)]
-            r = RECIPES[recipe]  # a gradient without a quantized operand is exact up to its GEMM's rounding (~1e-6 in
-            quantized = dict(dX=r.e_dx or r.w_dx, dW=r.e_dw or r.x_dw)  # BF16 on a GPU): no growth to measure
+            r = RECIPES[recipe]  # a gradient no backward quantizer draws for is exact up to its GEMM's rounding (~1e-6
+            quantized = dict(dX=r.e_dx or r.w_dx, dW=r.e_dw or r.x_dw)  # in BF16 on a GPU): no growth to measure
             for index, gradient in enumerate(("dX", "dW")):
                 curve = [errors[b][index] for b in batches]
                 growth = curve[-1] * batches[-1] / curve[0] if quantized[gradient] and curve[0] > 0 else None
