@@ -195,6 +195,24 @@ def results_rows(name):
     return json.load(open(os.path.join(bench.ROOT, "results", name)))["rows"]
 
 
+def readme_text():
+    return open(os.path.join(bench.ROOT, "README.md")).read()
+
+
+def missing_from_readme(lines):
+    """The lines of a table that the README does not hold, each whole."""
+    readme = readme_text().splitlines()
+    return [line for line in lines if line not in readme]
+
+
+def is_measured(name, pending, command):
+    """Whether results/<name> exists. The README names the command that writes it either way, and says `pending`
+    (that it is still to be measured) exactly while it does not."""
+    readme, exists = readme_text(), os.path.exists(os.path.join(bench.ROOT, "results", name))
+    assert command in " ".join(readme.split()) and (pending in readme) != exists
+    return exists
+
+
 def test_the_readme_quantizer_and_gradient_tables_are_their_files():
     # Exactly, cell by cell: the lenient check above cannot tell which row or column a number came from.
     quant = {row["quantizer"]: row for row in results_rows("quant.json")}
@@ -205,8 +223,7 @@ def test_the_readme_quantizer_and_gradient_tables_are_their_files():
     for recipe in dict.fromkeys(recipe for recipe, _ in grad):
         cells = [f"{100 * grad[recipe, g]['errors'][0]:.2f} | {grad[recipe, g]['growth']:.2f}" for g in ("dX", "dW")]
         expected.append(f"| {recipe} | {' | '.join(cells)} |")
-    readme = open(os.path.join(bench.ROOT, "README.md")).read().splitlines()
-    assert [line for line in expected if line not in readme] == []
+    assert missing_from_readme(expected) == []
 
 
 def headline(rows):
@@ -226,15 +243,13 @@ def headline(rows):
 
 
 def test_the_readme_headline_is_its_file():
-    readme = open(os.path.join(bench.ROOT, "README.md")).read()
     command = "python bench.py study --preset d12 --recipes bf16,quartet2 --seeds 0 1 2"
-    if not os.path.exists(os.path.join(bench.ROOT, "results", "d12.json")):  # then the README says it is to measure
-        assert "is still to be measured" in readme and command in " ".join(readme.split())
+    if not is_measured("d12.json", "is still to be measured", command):
         return
-    assert "is still to be measured" not in readme
     table, samples = headline(results_rows("d12.json"))
-    assert [line for line in table if line not in readme.splitlines()] == []
-    assert all(sample in " ".join(readme.split()) for sample in samples) and "results/d12_loss.png" in readme
+    readme = readme_text()
+    assert missing_from_readme(table) == [] and "results/d12_loss.png" in readme
+    assert all(sample in " ".join(readme.split()) for sample in samples)
 
 
 def test_the_readme_comparison_table_is_its_file():
@@ -252,8 +267,7 @@ def test_the_readme_comparison_table_is_its_file():
                      if "paper_gap_reduction_pct" in rows[recipe] else " ")
         expected.append(f"| {recipe} | {gap(recipe)} | {1e3 * difference['mean']:+.2f} [{low:+.2f}, {high:+.2f}] | "
                         f"{rows['quartet2']['versus'][recipe]['lower_in']} of {seeds} |{reduction}|")
-    readme = open(os.path.join(bench.ROOT, "README.md")).read().splitlines()
-    assert [line for line in expected if line not in readme] == []
+    assert missing_from_readme(expected) == []
 
 
 ABLATION_PAIRS = (("fwd_1x16", "fwd_1x16_46"), ("fwd_16x16", "fwd_16x16_46"), ("fwd_16x16", "fwd_1x16"),
@@ -291,12 +305,8 @@ def test_the_ablation_tables_read_a_study():
 
 
 def test_the_readme_ablation_tables_are_their_file():
-    readme = open(os.path.join(bench.ROOT, "README.md")).read()
     command = f"python bench.py study --recipes {ABLATIONS} --seeds 0 1 2 3 4"
-    assert command in " ".join(readme.split())
-    if not os.path.exists(os.path.join(bench.ROOT, "results", "ablations.json")):  # then the README says so
-        assert "they are still to be measured" in readme
+    if not is_measured("ablations.json", "they are still to be measured", command):
         return
-    assert "they are still to be measured" not in readme
     gaps, pairs = ablation_tables(results_rows("ablations.json"))
-    assert [line for line in gaps + pairs if line not in readme.splitlines()] == []
+    assert missing_from_readme(gaps + pairs) == []
