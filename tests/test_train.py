@@ -364,14 +364,27 @@ def test_two_processes_match_one_and_resume_exactly(small_data, tmp_path):
 
 @pytest.mark.slow
 def test_a_checkpoint_that_cannot_be_written_stops_every_process(small_data, tmp_path):
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", f"--master_port={free_port()}",
-               "train.py", *tiny_args(small_data, tmp_path, "--recipe", "bf16", "--device", "cpu", "--steps", "4")]
+    argv = ["train.py", *tiny_args(small_data, tmp_path, "--recipe", "bf16", "--device", "cpu", "--steps", "4")]
     environment = dict(os.environ, OMP_NUM_THREADS="1")
-    subprocess.run(command + ["--stop-after", "1"], cwd=ROOT, check=True, capture_output=True, env=environment)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2",
+                    f"--master_port={free_port()}", *argv, "--stop-after", "1"],
+                   cwd=ROOT, check=True, capture_output=True, env=environment)
     (tmp_path / "bf16" / "checkpoint.pt.tmp").mkdir()  # where rank 0 writes the next checkpoint
-    finished = subprocess.run(command + ["--resume"], cwd=ROOT, capture_output=True, text=True, env=environment)
+    # The two ranks started by hand, as torchrun would: torchrun stops the other rank as soon as one fails, so
+    # under it whether rank 1 printed its own error would be a race.
+    environment.update(WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    ranks = [subprocess.Popen([sys.executable, *argv, "--resume"], cwd=ROOT, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, env=dict(environment, RANK=rank, LOCAL_RANK=rank))
+             for rank in ("0", "1")]
+    try:
+        errors = [rank.communicate(timeout=600)[1] for rank in ranks]
+    finally:
+        for rank in ranks:
+            rank.kill()
     # Rank 0 alone writes it; both ranks must stop with its error, not rank 1 go on as if it had been written
-    assert finished.returncode != 0 and finished.stderr.count("train.py: error: could not write") == 2, finished.stderr
+    for rank, error in zip(ranks, errors):
+        assert rank.returncode != 0 and "train.py: error: could not write" in error, error
+
 
 # --- errors ----------------------------------------------------------------------------------------------------------
 
